@@ -1,0 +1,42 @@
+"""grpo_engine: a PyTorch-native GRPO engine for small reasoning models on one GPU (or a CPU).
+
+The public surface::
+
+    from grpo_engine import GRPOTrainer, GRPOConfig, MemoryPlan, LoRA
+    from grpo_engine.rewards import MathAccuracy, ThinkAnswerFormat, Reward
+    from grpo_engine.data import load_jsonl_prompts, load_gsm8k, arithmetic_task
+"""
+
+from grpo_engine.advantages import GroupNormalized
+from grpo_engine.config import GRPOConfig
+from grpo_engine.losses import ClippedSurrogate
+from grpo_engine.memory import LoRA, MemoryPlan
+from grpo_engine.protocols import AdvantageFn, EntropyEstimator, GRPOLoss, RewardFn, Sampler
+from grpo_engine.rewards import Reward, WeightedSum
+from grpo_engine.sampling import HFSampler
+from grpo_engine.trainer import GRPOTrainer
+from grpo_engine.types import LossOutput, MicroBatch, Prompt, RewardOutput, RolloutBatch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GRPOTrainer",
+    "GRPOConfig",
+    "MemoryPlan",
+    "LoRA",
+    "Prompt",
+    "RolloutBatch",
+    "RewardOutput",
+    "MicroBatch",
+    "LossOutput",
+    "Sampler",
+    "RewardFn",
+    "EntropyEstimator",
+    "AdvantageFn",
+    "GRPOLoss",
+    "HFSampler",
+    "Reward",
+    "WeightedSum",
+    "GroupNormalized",
+    "ClippedSurrogate",
+]

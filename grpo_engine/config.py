@@ -1,0 +1,151 @@
+"""GRPOConfig: the numbers and switches of a run (components are objects, not config strings).
+
+Every model here is a frozen pydantic record with ``extra="forbid"``: a misspelled field is an
+error, and one ``ValidationError`` lists every bad field at once, each with its value, the rule it
+breaks and the fix. ``to_yaml`` / ``from_yaml`` round-trip a config through a YAML file.
+
+Batch vocabulary (the units are in the names):
+
+- ``prompts_per_step`` (B): prompts sampled for one optimizer step.
+- ``group_size`` (G): completions sampled per prompt.
+- ``completions_per_step`` = B * G, derived.
+- ``updates_per_batch`` (μ): policy updates on one rollout batch.
+- ``max_prompt_tokens``, ``max_completion_tokens``: token limits.
+
+Memory-related settings (LoRA, checkpointing, optimizer, micro-batch size) live in
+:class:`grpo_engine.memory.MemoryPlan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+__all__ = ["FrozenModel", "GRPOConfig", "load_yaml", "dump_yaml"]
+
+M = TypeVar("M", bound="FrozenModel")
+
+
+class FrozenModel(BaseModel):
+    """Base for every config record: frozen, no unknown fields, YAML in and out."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        """Returns the record as YAML text, and writes it to ``path`` when given."""
+        text = dump_yaml(self.model_dump(mode="json"))
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_yaml(cls: type[M], source: str | Path) -> M:
+        """Builds the record from a YAML file path or YAML text."""
+        data = load_yaml(source)
+        return cls.model_validate(data or {})
+
+
+def load_yaml(source: str | Path) -> Any:
+    """Reads YAML from a path (``Path`` or an existing file name) or from YAML text."""
+    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and Path(source).is_file()):
+        source = Path(source).read_text()
+    return yaml.safe_load(source)
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML text with keys in declaration order."""
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+class GRPOConfig(FrozenModel):
+    """Numbers and switches of a GRPO run.
+
+    Example:
+        >>> cfg = GRPOConfig(prompts_per_step=4, group_size=8, max_completion_tokens=64)
+        >>> cfg.completions_per_step
+        32
+    """
+
+    # -- the batch ---------------------------------------------------------------------------
+    prompts_per_step: int = Field(4, description="B: prompts sampled for each optimizer step.")
+    group_size: int = Field(8, description="G: completions sampled per prompt; advantages compare a group.")
+    updates_per_batch: int = Field(
+        1, description="mu: policy updates on one rollout batch (1 = strictly on-policy, no old-logprob pass)."
+    )
+    max_prompt_tokens: int = Field(512, description="Prompts longer than this are cut from the left.")
+    max_completion_tokens: int = Field(256, description="Sampling stops here; such completions are 'truncated'.")
+    max_steps: int = Field(100, description="Optimizer steps to run.")
+    max_train_seconds: float | None = Field(
+        None, description="Also stop once this many seconds of training have passed (checked between steps)."
+    )
+
+    # -- sampling ----------------------------------------------------------------------------
+    temperature: float = Field(
+        1.0, description="Sampling temperature; training log-probs are computed at the same temperature."
+    )
+    top_p: float = Field(1.0, description="Nucleus sampling mass (1.0 = off).")
+    top_k: int = Field(0, description="Top-k sampling (0 = off).")
+
+    # -- optimisation ------------------------------------------------------------------------
+    learning_rate: float = Field(1e-5, description="Peak learning rate (LoRA usually wants ~1e-4, full ~1e-6).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Decay after warm-up: constant, linear to 0, or cosine to 0 at max_steps."
+    )
+    warmup_steps: int = Field(0, description="Linear warm-up steps from 0 to learning_rate.")
+    weight_decay: float = Field(0.0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW (beta1, beta2).")
+    adam_eps: float = Field(1e-8, description="AdamW epsilon.")
+    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this (null = off).")
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    seed: int = Field(0, description="Seeds prompt order, sampling and initialisation.")
+    output_dir: str = Field("runs/grpo", description="Metrics, checkpoints and the final model go here.")
+    log_every_steps: int = Field(1, description="Write a metrics line every this many steps.")
+    save_every_steps: int | None = Field(None, description="Save a checkpoint every this many steps (null = end only).")
+    progress_bar: bool = Field(True, description="Show a console progress bar.")
+
+    @property
+    def completions_per_step(self) -> int:
+        """N = prompts_per_step * group_size."""
+        return self.prompts_per_step * self.group_size
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_rule(_RULES, value, info)
+
+
+# field -> (is the value fine?, the rule, the fix). Checked per field, so one ValidationError lists
+# every bad field (type errors included) at once.
+_RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    **{
+        name: (lambda v: v >= 1, "must be >= 1", f"set {name} to a positive integer")
+        for name in ("prompts_per_step", "updates_per_batch", "max_prompt_tokens", "max_completion_tokens",
+                     "max_steps", "log_every_steps")
+    },
+    "group_size": (lambda v: v >= 2, "makes every advantage 0 (a group needs at least two completions to "
+                   "compare)", "use group_size >= 2"),
+    "temperature": (lambda v: v > 0, "must be > 0 (GRPO samples)", "use a temperature in (0, 2], typically 0.7-1.0"),
+    "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]", "use top_p=1.0 to turn it off"),
+    "top_k": (lambda v: v >= 0, "must be >= 0", "use top_k=0 to turn it off"),
+    "learning_rate": (lambda v: v > 0, "must be > 0", "use e.g. 1e-4 for LoRA or 1e-6 for full fine-tuning"),
+    "warmup_steps": (lambda v: v >= 0, "must be >= 0", "use 0 for no warm-up"),
+    "weight_decay": (lambda v: v >= 0, "must be >= 0", "use 0.0 to turn it off"),
+    "adam_betas": (lambda v: all(0 <= b < 1 for b in v), "must each be in [0, 1)", "use (0.9, 0.99)"),
+    "adam_eps": (lambda v: v > 0, "must be > 0", "use 1e-8"),
+    "max_grad_norm": (lambda v: v is None or v > 0, "must be > 0", "use null to turn clipping off"),
+    "max_train_seconds": (lambda v: v is None or v > 0, "must be > 0", "use null for no time limit"),
+    "save_every_steps": (lambda v: v is None or v >= 1, "must be >= 1", "use null to save only at the end"),
+}
+
+
+def check_rule(rules: dict[str, tuple[Callable[[Any], bool], str, str]], value: Any, info: ValidationInfo) -> Any:
+    """Applies ``rules[info.field_name]`` to a field value; the error names value, rule and fix."""
+    rule = rules.get(info.field_name or "")
+    if rule is not None and not rule[0](value):
+        raise ValueError(f"{info.field_name}={value!r} {rule[1]}; {rule[2]}")
+    return value

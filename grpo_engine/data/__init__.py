@@ -1,0 +1,41 @@
+"""Data for GRPO: file loaders (JSON/JSONL, GSM8K, MATH-500), a synthetic arithmetic task,
+prompt templates (chat or plain text) and a seeded, resumable stream of prompt batches.
+
+Example:
+    >>> from grpo_engine.data import PromptStream, arithmetic_task
+    >>> train, test = arithmetic_task(num_train=8, num_test=4, seed=0)
+    >>> len(PromptStream(train, batch_size=4, seed=0).next_batch())
+    4
+"""
+
+from grpo_engine.data.loaders import (
+    DataError,
+    gsm8k_final_answer,
+    load_gsm8k,
+    load_jsonl_prompts,
+    load_math500,
+)
+from grpo_engine.data.stream import PromptStream
+from grpo_engine.data.synthetic import arithmetic_task
+from grpo_engine.data.templates import (
+    ChatTemplate,
+    PlainTemplate,
+    PromptTemplate,
+    default_template,
+)
+from grpo_engine.types import Prompt
+
+__all__ = [
+    "ChatTemplate",
+    "DataError",
+    "PlainTemplate",
+    "Prompt",
+    "PromptStream",
+    "PromptTemplate",
+    "arithmetic_task",
+    "default_template",
+    "gsm8k_final_answer",
+    "load_gsm8k",
+    "load_jsonl_prompts",
+    "load_math500",
+]

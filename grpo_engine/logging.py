@@ -1,0 +1,71 @@
+"""Console progress and a JSONL metrics file per run.
+
+Every logged line of ``metrics.jsonl`` is one JSON object with the step number and plain floats,
+flushed as it is written, so a crashed run keeps every step it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLogger"]
+
+_BAR_KEYS = (("reward", "reward/mean"), ("len", "completion_length/mean"), ("s/step", "time/step_s"))
+
+
+class MetricsLogger:
+    """Writes step metrics to ``<output_dir>/metrics.jsonl`` and drives a tqdm progress bar.
+
+    Args:
+        output_dir: the run folder (created if missing).
+        total_steps: steps planned, for the progress bar (None when unknown).
+        progress_bar: show the bar (off in tests and non-interactive logs).
+
+    Example:
+        >>> # with MetricsLogger("runs/x", total_steps=10) as log: log.log(1, {"reward/mean": 0.5})
+    """
+
+    def __init__(self, output_dir: str | Path, *, total_steps: int | None, progress_bar: bool = True,
+                 initial_step: int = 0) -> None:
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        self._bar = None
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="grpo", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, Any], *, write: bool = True) -> None:
+        """Records the metrics of ``step`` (the JSONL line only when ``write``)."""
+        if write:
+            record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._bar is not None:
+            shown = {label: f"{metrics[key]:.3g}" for label, key in _BAR_KEYS if key in metrics}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        """Closes the file and the bar."""
+        if self._bar is not None:
+            self._bar.close()
+        self._file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

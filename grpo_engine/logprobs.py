@@ -1,0 +1,132 @@
+"""Per-token log-probs of completion tokens without ever holding the [N, T, V] logits.
+
+The decoder runs once and returns hidden states [n, T, H]. Only the hidden states that predict a
+kept completion token are gathered (prompt and padding positions are never projected), then the
+lm_head projection and the log-softmax at the sampling temperature run over chunks of
+``chunk_size`` tokens. With gradients enabled each chunk is checkpointed: the backward pass
+recomputes that chunk's logits from its hidden states, so the backward never holds more than one
+chunk of logits either. Peak logits memory is ``chunk_size * V`` floats, not ``n * T * V``.
+
+    log p(y_t) = z_{y_t} / tau - logsumexp(z / tau),   z = lm_head(h_{t-1}) in float32
+
+Position ids follow transformers' ``generate`` for left-padded prompts
+(``cumsum(attention_mask) - 1``), so the log-probs equal those of the sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["completion_logprobs", "selective_logprobs", "position_ids_from_mask"]
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """[n, T] positions counting only attended tokens (left padding gets position 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _softcap(model: nn.Module) -> float | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "final_logit_softcapping", None) if config is not None else None
+
+
+def _chunk_logprobs(hidden: Tensor, weight_fn: nn.Module, targets: Tensor, temperature: float,
+                    softcap: float | None) -> Tensor:
+    logits = weight_fn(hidden).float()  # [k, V]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def selective_logprobs(
+    hidden: Tensor,
+    lm_head: nn.Module,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+) -> Tensor:
+    """Log-probs of ``targets`` from hidden states, chunk by chunk.
+
+    Args:
+        hidden: [k, H] hidden states, each predicting the target at the same index.
+        lm_head: the output projection (a LoRA-wrapped one works too).
+        targets: [k] token ids.
+        temperature: logits are divided by it before the softmax.
+        chunk_size: tokens per chunk; bounds the logits memory to ``chunk_size * V``.
+        softcap: Gemma-2-style final logit soft-capping, when the model uses it.
+
+    Returns:
+        [k] float32 log-probs.
+
+    Example:
+        >>> head = torch.nn.Linear(4, 10, bias=False)
+        >>> selective_logprobs(torch.randn(3, 4), head, torch.tensor([1, 2, 3]), chunk_size=2).shape
+        torch.Size([3])
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1; use e.g. 1024")
+    pieces = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        h = hidden[start:start + chunk_size]
+        t = targets[start:start + chunk_size]
+        if torch.is_grad_enabled() and h.requires_grad:
+            pieces.append(checkpoint(_chunk_logprobs, h, lm_head, t, temperature, softcap, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(h, lm_head, t, temperature, softcap))
+    if not pieces:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(pieces)
+
+
+def completion_logprobs(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> Tensor:
+    """Log-probs of each kept completion token under ``model``.
+
+    Args:
+        model: a transformers causal LM (or a peft model wrapping one).
+        prompt_ids: [n, P] left-padded prompt ids.
+        prompt_mask: [n, P] True on real prompt tokens.
+        completion_ids: [n, C] right-padded completion ids.
+        completion_mask: [n, C] True on tokens to score.
+        temperature: the sampling temperature.
+        chunk_size: tokens per lm_head chunk.
+
+    Returns:
+        [n, C] float32 log-probs; 0 where ``completion_mask`` is False.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, T]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
+    decoder = model.get_decoder()
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [n, T, H]
+    num_prompt = prompt_ids.shape[1]
+    predicting = hidden[:, num_prompt - 1:-1]  # [n, C, H]: position t-1 predicts completion token t
+    keep = completion_mask.bool()
+    selected = selective_logprobs(
+        predicting[keep],
+        model.get_output_embeddings(),
+        completion_ids[keep],
+        temperature=temperature,
+        chunk_size=chunk_size,
+        softcap=_softcap(model),
+    )
+    logprobs = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    return logprobs.masked_scatter(keep, selected)

@@ -1,0 +1,89 @@
+"""MemoryPlan: how the model is held and trained, applied once before the loop starts.
+
+The plan is a frozen record; ``grpo_engine.memory.apply`` turns it into a prepared model and an
+optimizer. Nothing in the step loop branches on it.
+
+- ``lora``: train LoRA adapters (peft) instead of every weight. The reference policy for the KL
+  term is then the same model with its adapters disabled, so no second copy is ever built.
+- ``gradient_checkpointing``: recompute each layer's activations in the backward pass
+  (about +1 forward of compute for far less activation memory).
+- ``optimizer``: ``adamw`` (torch) or ``adamw8bit`` (bitsandbytes 8-bit AdamW states).
+- ``micro_batch_size``: completions per forward/backward; the step's gradient is accumulated over
+  ``ceil(completions_per_step / micro_batch_size)`` micro-batches and equals the one-batch gradient.
+- ``dtype``: the dtype of the frozen base weights (LoRA adapters stay float32).
+- ``logprob_chunk_size``: tokens per chunk of the lm_head + log-softmax pass, so the full
+  [N, T, V] logits never exist at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from grpo_engine.config import FrozenModel, check_rule
+
+__all__ = ["LoRA", "MemoryPlan"]
+
+
+class LoRA(FrozenModel):
+    """LoRA adapter settings (peft).
+
+    Example:
+        >>> LoRA(r=16, alpha=32).target_modules
+        'all-linear'
+    """
+
+    r: int = Field(16, description="Adapter rank.")
+    alpha: float = Field(32.0, description="Scaling numerator: the update is (alpha / r) * B @ A.")
+    dropout: float = Field(0.0, description="Dropout on the adapter input (0 keeps log-probs exact).")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear' (every linear layer but the lm_head)."
+    )
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_rule(_LORA_RULES, value, info)
+
+
+_LORA_RULES = {
+    "r": (lambda v: v >= 1, "must be >= 1", "use a rank such as 8, 16 or 64"),
+    "alpha": (lambda v: v > 0, "must be > 0", "use alpha = 2 * r as a start"),
+    "dropout": (lambda v: 0 <= v < 1, "must be in [0, 1)", "use 0.0"),
+    "target_modules": (lambda v: bool(v), "must not be empty", "use 'all-linear' or e.g. ['q_proj', 'v_proj']"),
+}
+
+
+class MemoryPlan(FrozenModel):
+    """How the policy is held in memory and trained.
+
+    Example:
+        >>> plan = MemoryPlan(lora=LoRA(r=8), gradient_checkpointing=True, micro_batch_size=4)
+        >>> plan.optimizer
+        'adamw'
+    """
+
+    lora: LoRA | None = Field(None, description="LoRA adapter settings; null trains every weight.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="adamw (torch) or adamw8bit (bitsandbytes 8-bit optimizer states)."
+    )
+    micro_batch_size: int = Field(8, description="Completions per forward/backward (gradient accumulation).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of the (frozen) base weights; adapters stay float32."
+    )
+    logprob_chunk_size: int = Field(
+        1024, description="Tokens per lm_head/log-softmax chunk; bounds the logits memory to chunk x vocab."
+    )
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_rule(_PLAN_RULES, value, info)
+
+
+_PLAN_RULES = {
+    "micro_batch_size": (lambda v: v >= 1, "must be >= 1", "use a positive number of completions, e.g. 8"),
+    "logprob_chunk_size": (lambda v: v >= 1, "must be >= 1", "use e.g. 1024 tokens"),
+}

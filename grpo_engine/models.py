@@ -1,0 +1,34 @@
+"""Loading a policy and its tokenizer from a local folder or a hub id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["load_model"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(name_or_path: str | Path, *, dtype: str = "float32"):
+    """Loads a causal LM and its tokenizer; the tokenizer gets a pad token if it has none.
+
+    Args:
+        name_or_path: a local folder in transformers layout, or a hub id (needs the network once).
+        dtype: "float32", "bfloat16" or "float16".
+
+    Returns:
+        ``(model, tokenizer)``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=_DTYPES[dtype])
+    except OSError as exc:
+        raise OSError(f"could not load model {str(name_or_path)!r}: {exc}. Pass a local folder in "
+                      "transformers layout (config.json + weights + tokenizer), or a hub id while online") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

@@ -1,0 +1,177 @@
+"""HFSampler: samples G completions per prompt with transformers ``generate`` on the live policy.
+
+- Prompts are rendered by a template, tokenised once, cut from the left to ``max_prompt_tokens``
+  and left-padded; each prompt row is repeated G times.
+- The returned ids are exactly the sampled ids (never decoded and re-tokenised). A completion
+  ends at its first EOS token (kept, and counted in the loss) or is truncated at
+  ``max_completion_tokens``.
+- Sampling uses our own processor chain: temperature first, then top-k / top-p. The reported
+  ``sampler_logprobs`` are the log-probs of the temperature-scaled distribution before any
+  top-k / top-p truncation, the same quantity the trainer computes (they match exactly when
+  top-k and top-p are off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+
+from grpo_engine.data.templates import PromptTemplate, default_template
+from grpo_engine.types import Prompt, RolloutBatch
+
+__all__ = ["HFSampler", "eos_token_ids"]
+
+
+class _TemperatureRecorder(LogitsProcessor):
+    """Divides logits by the temperature and records the log-prob of each sampled token."""
+
+    def __init__(self, temperature: float, prompt_width: int) -> None:
+        self.temperature = temperature
+        self.prompt_width = prompt_width
+        self._last: Tensor | None = None  # [N, V] log-softmax of the previous step
+        self.logprobs: list[Tensor] = []  # each [N]
+
+    def _collect(self, sampled: Tensor) -> None:
+        if self._last is not None:
+            self.logprobs.append(self._last.gather(-1, sampled[:, None]).squeeze(-1))
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if input_ids.shape[1] > self.prompt_width:
+            self._collect(input_ids[:, -1])
+        scores = scores.float() / self.temperature
+        self._last = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def finish(self, sequences: Tensor) -> Tensor:
+        """[N, C] recorded log-probs once generation returned ``sequences``."""
+        if sequences.shape[1] > self.prompt_width + len(self.logprobs):
+            self._collect(sequences[:, -1])
+        self._last = None
+        return torch.stack(self.logprobs, dim=1) if self.logprobs else sequences.new_zeros(sequences.shape[0], 0)
+
+
+def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    """Every id that ends a completion: the generation config's EOS ids, else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("neither the model's generation_config nor the tokenizer defines an EOS token; "
+                         "set tokenizer.eos_token so completions can end")
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class HFSampler:
+    """Samples with ``model.generate``; the Sampler protocol.
+
+    Args:
+        model: the policy (updated in place by the trainer, so samples are always on-policy).
+        tokenizer: its tokenizer.
+        template: renders a Prompt to text; defaults to the chat template when the tokenizer has one.
+        max_prompt_tokens: prompts are cut from the left to this many tokens.
+        max_completion_tokens: sampling stops here.
+        temperature, top_p, top_k: sampling settings (top_p=1 and top_k=0 are off).
+        return_logprobs: also report the sampled tokens' log-probs (costs one log-softmax per step).
+
+    Example:
+        >>> # sampler = HFSampler(model, tokenizer, max_completion_tokens=64)
+        >>> # batch = sampler.sample([Prompt("What is 2+2?", "4")], group_size=8)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        template: PromptTemplate | None = None,
+        max_prompt_tokens: int = 512,
+        max_completion_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        return_logprobs: bool = True,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template if template is not None else default_template(tokenizer)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_completion_tokens = max_completion_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.return_logprobs = return_logprobs
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+
+    def encode_prompts(self, prompts: Sequence[Prompt]) -> tuple[Tensor, Tensor]:
+        """Left-padded ids [B, P] and mask [B, P] of the rendered prompts."""
+        texts = [self.template.render(p, self.tokenizer) for p in prompts]
+        rows = [self.tokenizer(t, add_special_tokens=False)["input_ids"][-self.max_prompt_tokens:] for t in texts]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, row in enumerate(rows):
+            if row:
+                ids[i, width - len(row):] = torch.tensor(row)
+                mask[i, width - len(row):] = True
+        return ids, mask
+
+    @torch.no_grad()
+    def sample(self, prompts: Sequence[Prompt], *, group_size: int) -> RolloutBatch:
+        """Draws ``group_size`` completions per prompt; rows ``b*G .. b*G+G-1`` belong to prompt b."""
+        if not prompts:
+            raise ValueError("sample() got no prompts; pass at least one Prompt")
+        device = next(self.model.parameters()).device
+        ids, mask = self.encode_prompts(prompts)
+        prompt_ids = ids.repeat_interleave(group_size, dim=0).to(device)  # [N, P]
+        prompt_mask = mask.repeat_interleave(group_size, dim=0).to(device)  # [N, P]
+        recorder = _TemperatureRecorder(self.temperature, prompt_ids.shape[1])
+        processors = LogitsProcessorList([recorder])
+        if self.top_k > 0:
+            processors.append(TopKLogitsWarper(self.top_k))
+        if self.top_p < 1.0:
+            processors.append(TopPLogitsWarper(self.top_p))
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=self.max_completion_tokens,
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
+        )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            sequences = self.model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
+                logits_processor=processors,
+            )
+        finally:
+            self.model.train(was_training)
+        completion_ids = sequences[:, prompt_ids.shape[1]:]  # [N, C]
+        completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_ids)
+        completion_ids = completion_ids.masked_fill(~completion_mask, self.pad_id)
+        logprobs = recorder.finish(sequences).masked_fill(~completion_mask, 0.0) if self.return_logprobs else None
+        texts = tuple(self.tokenizer.batch_decode(
+            [row[m].tolist() for row, m in zip(completion_ids, completion_mask)], skip_special_tokens=True
+        ))
+        return RolloutBatch(
+            prompts=tuple(prompts), group_size=group_size, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            completion_ids=completion_ids, completion_mask=completion_mask, is_truncated=is_truncated,
+            texts=texts, sampler_logprobs=logprobs,
+        )
+
+
+def completion_mask_from_ids(completion_ids: Tensor, eos_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Mask [N, C] (True up to and including the first EOS) and truncation flags [N].
+
+    Example:
+        >>> mask, trunc = completion_mask_from_ids(torch.tensor([[5, 1, 0], [5, 6, 7]]), [1])
+        >>> mask.tolist(), trunc.tolist()
+        ([[True, True, False], [True, True, True]], [False, True])
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_ids), device=completion_ids.device))
+    has_eos = is_eos.any(dim=1)
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # EOS tokens strictly before t
+    mask = eos_before == 0
+    return mask, ~has_eos

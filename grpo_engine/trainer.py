@@ -1,0 +1,311 @@
+"""GRPOTrainer: assembles the components and runs the six-stage GRPO step.
+
+    1. sample a group of completions per prompt          (Sampler)
+    2. score them, with a per-reward breakdown           (WeightedSum of RewardFn)
+    3. per-group uncertainty (optional) and advantages   (EntropyEstimator, AdvantageFn)
+    4. old / reference log-probs without gradient, only when needed (mu > 1, KL > 0)
+    5. micro-batched loss and backward, normalised by step-global counts (GRPOLoss)
+    6. optimizer step, metrics, checkpoint
+
+No algorithm math lives here: the trainer moves tensors between components, reduces metrics
+and logs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from grpo_engine.advantages import GroupNormalized, zero_std_fraction
+from grpo_engine.checkpoint import save_pretrained_atomic
+from grpo_engine.config import GRPOConfig
+from grpo_engine.data.stream import PromptStream
+from grpo_engine.data.templates import PromptTemplate
+from grpo_engine.logging import MetricsLogger
+from grpo_engine.logprobs import completion_logprobs
+from grpo_engine.losses import ClippedSurrogate
+from grpo_engine.memory.apply import ReferencePolicy, build_optimizer, prepare_model, trainable_parameters
+from grpo_engine.memory.plan import MemoryPlan
+from grpo_engine.models import load_model
+from grpo_engine.protocols import AdvantageFn, EntropyEstimator, GRPOLoss, RewardFn, Sampler
+from grpo_engine.rewards import WeightedSum
+from grpo_engine.sampling.hf import HFSampler
+from grpo_engine.types import MicroBatch, Prompt, RewardOutput, RolloutBatch
+
+__all__ = ["GRPOTrainer"]
+
+
+class GRPOTrainer:
+    """Trains a causal LM with GRPO.
+
+    Args:
+        model: a local folder / hub id, or an already built transformers causal LM.
+        rewards: reward functions (combined by their weights), or a ``WeightedSum``.
+        train_prompts: the training prompts; each carries its reference answer in ``target``.
+        config: numbers and switches of the run.
+        memory: how the model is held and trained (LoRA, checkpointing, optimizer, micro-batch).
+        tokenizer: required when ``model`` is a module.
+        sampler: defaults to ``HFSampler`` on the policy.
+        advantage: defaults to ``GroupNormalized()`` (group z-score).
+        loss: defaults to ``ClippedSurrogate()`` (PPO clip 0.2, per-sequence mean, no KL).
+        entropy: optional per-group uncertainty passed to the advantage function.
+        template: renders prompts for the default sampler (chat template when the tokenizer has one).
+
+    Example:
+        >>> # trainer = GRPOTrainer("HuggingFaceTB/SmolLM2-135M-Instruct", [MathAccuracy()], prompts,
+        >>> #                       config=GRPOConfig(max_steps=20), memory=MemoryPlan(lora=LoRA()))
+        >>> # trainer.train()
+    """
+
+    def __init__(
+        self,
+        model: str | Path | nn.Module,
+        rewards: Sequence[RewardFn] | WeightedSum,
+        train_prompts: Sequence[Prompt],
+        config: GRPOConfig | None = None,
+        memory: MemoryPlan | None = None,
+        *,
+        tokenizer: Any = None,
+        sampler: Sampler | None = None,
+        advantage: AdvantageFn | None = None,
+        loss: GRPOLoss | None = None,
+        entropy: EntropyEstimator | None = None,
+        template: PromptTemplate | None = None,
+    ) -> None:
+        self.config = config = config if config is not None else GRPOConfig()
+        self.memory = memory = memory if memory is not None else MemoryPlan()
+        torch.manual_seed(config.seed)
+        if isinstance(model, (str, Path)):
+            model, loaded_tokenizer = load_model(model, dtype=memory.dtype)
+            tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+        if tokenizer is None:
+            raise ValueError("a model object needs its tokenizer: pass GRPOTrainer(model, ..., tokenizer=tokenizer)")
+        self.tokenizer = tokenizer
+        self.model = prepare_model(model, memory)
+        self.rewards = rewards if isinstance(rewards, WeightedSum) else WeightedSum(list(rewards))
+        self.prompts = PromptStream(list(train_prompts), config.prompts_per_step, seed=config.seed)
+        self.sampler = sampler if sampler is not None else HFSampler(
+            self.model, tokenizer, template=template, max_prompt_tokens=config.max_prompt_tokens,
+            max_completion_tokens=config.max_completion_tokens, temperature=config.temperature,
+            top_p=config.top_p, top_k=config.top_k, return_logprobs=False,
+        )
+        self.advantage = advantage if advantage is not None else GroupNormalized()
+        self.loss = loss if loss is not None else ClippedSurrogate()
+        self.entropy = entropy
+        self.reference = ReferencePolicy(self.model, memory) if self.loss.requires_ref_logprobs else None
+        self.optimizer = build_optimizer(
+            self.model, memory, learning_rate=config.learning_rate, betas=config.adam_betas,
+            eps=config.adam_eps, weight_decay=config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.step_count = 0
+        self.history: list[dict[str, float]] = []
+        self._warned_zero_std = False
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def train(self) -> list[dict[str, float]]:
+        """Runs ``config.max_steps`` steps (minus those already done); returns every step's metrics."""
+        cfg = self.config
+        out = Path(cfg.output_dir)
+        total = None if cfg.max_train_seconds else cfg.max_steps
+        with MetricsLogger(out, total_steps=total, progress_bar=cfg.progress_bar,
+                           initial_step=self.step_count) as logger:
+            start = time.perf_counter()
+            while self.step_count < cfg.max_steps:
+                if cfg.max_train_seconds is not None and time.perf_counter() - start >= cfg.max_train_seconds:
+                    break
+                metrics = self.step()
+                logger.log(self.step_count, metrics, write=self.step_count % cfg.log_every_steps == 0)
+                if cfg.save_every_steps and self.step_count % cfg.save_every_steps == 0:
+                    self.save(out / f"checkpoint-{self.step_count}")
+        self.save(out / "final")
+        return self.history
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step (``updates_per_batch`` of them on one rollout batch); returns its metrics."""
+        cfg, timer = self.config, _Timer()
+        prompts = self.prompts.next_batch()
+
+        # 1. sample a group of completions for each prompt
+        with timer("sample"):
+            batch = self.sampler.sample(prompts, group_size=cfg.group_size)
+
+        # 2. score, with the per-reward breakdown
+        with timer("reward"):
+            rewards = self.rewards(batch)
+
+        # 3. uncertainty (optional) and advantages
+        uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
+        advantages = self.advantage(rewards.total, uncertainty=uncertainty).reshape(-1)  # [N]
+
+        # 4. old and reference log-probs, without gradient and only when needed
+        with timer("logprobs"):
+            old = self._logprobs(batch, self.model) if cfg.updates_per_batch > 1 else None
+            ref = None
+            if self.reference is not None:
+                with self.reference.active() as ref_model:
+                    ref = self._logprobs(batch, ref_model)
+
+        # 5. micro-batched loss and backward, 6. optimizer step (mu times on this batch)
+        loss_metrics: dict[str, float] = {}
+        with timer("train"):
+            for _ in range(cfg.updates_per_batch):
+                loss_metrics = self._update(batch, advantages, old, ref)
+
+        self.step_count += 1
+        metrics = {**self._batch_metrics(batch, rewards), **loss_metrics, **timer.seconds()}
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
+        self.history.append(metrics)
+        return metrics
+
+    def _update(self, batch: RolloutBatch, advantages: Tensor, old: Tensor | None, ref: Tensor | None
+                ) -> dict[str, float]:
+        """One policy update: accumulate the micro-batch gradients, clip, step the optimizer."""
+        metrics = self.compute_gradients(batch, advantages, old_logprobs=old, ref_logprobs=ref)
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), max_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    def compute_gradients(self, batch: RolloutBatch, advantages: Tensor, *, old_logprobs: Tensor | None = None,
+                          ref_logprobs: Tensor | None = None) -> dict[str, float]:
+        """Fills ``.grad`` of the trainable parameters with the gradient of the step's loss.
+
+        The batch is cut into micro-batches of ``memory.micro_batch_size`` completions; each loss is
+        normalised by the step-global token and sequence counts, so the accumulated gradient equals
+        the gradient of one pass over the whole batch.
+
+        Args:
+            batch: the rollout batch.
+            advantages: [N] one advantage per completion.
+            old_logprobs: [N, C] log-probs of the sampling policy, or None (on-policy).
+            ref_logprobs: [N, C] reference log-probs, when the loss needs them.
+
+        Returns:
+            The step's loss and loss metrics (summed over micro-batches).
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = int(batch.completion_mask.sum())
+        sums: dict[str, float] = {"loss": 0.0}
+        try:
+            for idx in self._rows_to_train(advantages).split(self.memory.micro_batch_size):
+                pid, pmask, cid, cmask = _trimmed(batch, idx)
+                logprobs = completion_logprobs(self.model, pid, pmask, cid, cmask,
+                                               temperature=self.config.temperature,
+                                               chunk_size=self.memory.logprob_chunk_size)
+                width, dev = cid.shape[1], logprobs.device
+                micro = MicroBatch(
+                    completion_mask=cmask, advantages=advantages[idx].to(dev),
+                    old_logprobs=old_logprobs[idx, :width].to(dev) if old_logprobs is not None else None,
+                    ref_logprobs=ref_logprobs[idx, :width].to(dev) if ref_logprobs is not None else None,
+                    is_truncated=batch.is_truncated[idx],
+                )
+                out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=batch.num_completions)
+                out.loss.backward()
+                sums["loss"] += out.loss.item()
+                for key, value in out.metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+        finally:
+            self.model.eval()
+        return sums
+
+    def _rows_to_train(self, advantages: Tensor) -> Tensor:
+        """Rows that can change the gradient: rows with advantage 0 are skipped when the loss says so."""
+        rows = torch.arange(advantages.shape[0])
+        if getattr(self.loss, "needs_zero_advantage_rows", True):
+            return rows
+        return rows[advantages != 0]
+
+    @torch.no_grad()
+    def _logprobs(self, batch: RolloutBatch, model: nn.Module) -> Tensor:
+        """[N, C] log-probs of the batch under ``model``, micro-batch by micro-batch."""
+        out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
+        for idx in torch.arange(batch.num_completions).split(self.memory.micro_batch_size):
+            pid, pmask, cid, cmask = _trimmed(batch, idx)
+            out[idx, :cid.shape[1]] = completion_logprobs(
+                model, pid, pmask, cid, cmask, temperature=self.config.temperature,
+                chunk_size=self.memory.logprob_chunk_size).cpu()
+        return out
+
+    # -- metrics, schedule, saving ----------------------------------------------------------
+
+    def _batch_metrics(self, batch: RolloutBatch, rewards: RewardOutput) -> dict[str, float]:
+        lengths = batch.completion_lengths.float()
+        total = rewards.total.float()
+        metrics = {
+            "reward/mean": total.mean().item(),
+            "reward/std": total.std().item() if total.numel() > 1 else 0.0,
+            "completion_length/mean": lengths.mean().item(),
+            "completion_length/max": lengths.max().item(),
+            "truncated_fraction": batch.is_truncated.float().mean().item(),
+            "zero_std_fraction": zero_std_fraction(total).item(),
+            "tokens/generated": lengths.sum().item(),
+        }
+        for name, scores in rewards.breakdown.items():
+            metrics[f"reward/{name}/mean"] = scores.float().mean().item()
+            metrics[f"reward/{name}/std"] = scores.float().std().item() if scores.numel() > 1 else 0.0
+        if metrics["zero_std_fraction"] == 1.0 and not self._warned_zero_std:
+            self._warned_zero_std = True
+            warnings.warn(
+                f"step {self.step_count}: every group has identical rewards, so every advantage is 0 and this "
+                "step does not change the policy. If this persists, make the task easier or the reward denser, "
+                "or raise group_size / temperature.", stacklevel=3)
+        return metrics
+
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.config
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        if cfg.lr_schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if cfg.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    def save(self, path: str | Path) -> Path:
+        """Saves the policy (the adapter under LoRA), the tokenizer and the run's config files."""
+        extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml()}
+        return save_pretrained_atomic(self.model, self.tokenizer, path, extras)
+
+
+def _trimmed(batch: RolloutBatch, idx: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows ``idx`` of the batch without columns that are padding in every one of them."""
+    pmask = batch.prompt_mask[idx]
+    cmask = batch.completion_mask[idx]
+    first = int(pmask.any(dim=0).long().argmax())  # first prompt column any row uses (left padding)
+    width = max(1, int(cmask.sum(dim=1).max()))
+    return (batch.prompt_ids[idx, first:], pmask[:, first:], batch.completion_ids[idx, :width], cmask[:, :width])
+
+
+class _Timer:
+    """Wall-clock seconds per stage."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def seconds(self) -> dict[str, float]:
+        out = {f"time/{k}_s": v for k, v in self._seconds.items()}
+        out["time/step_s"] = time.perf_counter() - self._start
+        return out

@@ -1,0 +1,188 @@
+"""Frozen records that cross every boundary of a GRPO step.
+
+Shape legend, used in every tensor comment of the package:
+
+    B  prompts in the step (``prompts_per_step``)
+    G  completions per prompt (``group_size``)
+    N  completions in the step, N = B * G; row ``b * G + g`` is completion ``g`` of prompt ``b``
+    n  completions in one micro-batch
+    P  prompt tokens (left-padded to the longest prompt of the batch)
+    C  completion tokens (right-padded to the longest completion of the batch)
+    T  P + C
+    V  vocabulary size
+
+Masks are boolean and True means "keep". The ground truth (``Prompt.target``) travels with its
+prompt, so no stage ever joins prompts and answers by index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Message", "Prompt", "RolloutBatch", "RewardOutput", "MicroBatch", "LossOutput"]
+
+Message = Mapping[str, str]  # {"role": "user", "content": "..."}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One training or evaluation question with its reference answer.
+
+    Args:
+        content: the question as plain text, or a conversation as a tuple of chat messages
+            (``{"role": ..., "content": ...}``). A template turns it into tokens.
+        target: the reference answer (for example ``"42"`` or ``"\\frac{1}{2}"``), or None for
+            rewards that need none.
+        metadata: free information (source file and line, task id, difficulty...).
+
+    Example:
+        >>> p = Prompt("What is 7 + 5?", target="12")
+        >>> p.question
+        'What is 7 + 5?'
+    """
+
+    content: str | tuple[Message, ...]
+    target: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.content, list):
+            object.__setattr__(self, "content", tuple(self.content))
+        if not isinstance(self.metadata, MappingProxyType):
+            object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+
+    @property
+    def question(self) -> str:
+        """The text of the last user turn (the whole content for a plain-text prompt)."""
+        if isinstance(self.content, str):
+            return self.content
+        users = [m["content"] for m in self.content if m.get("role") == "user"]
+        return users[-1] if users else self.content[-1]["content"]
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """The completions sampled for one step: G per prompt, N = B * G rows.
+
+    Token ids are exactly the ids the sampler drew (never decoded and re-tokenised).
+
+    Attributes:
+        prompts: the B prompts; row ``i`` belongs to ``prompts[i // group_size]``.
+        group_size: G.
+        prompt_ids: [N, P] left-padded prompt ids.
+        prompt_mask: [N, P] True on real prompt tokens.
+        completion_ids: [N, C] right-padded sampled ids, the EOS token included when sampled.
+        completion_mask: [N, C] True on sampled tokens up to and including the first EOS.
+        is_truncated: [N] True when the completion hit ``max_completion_tokens`` without EOS.
+        texts: the N decoded completions (special tokens removed).
+        sampler_logprobs: [N, C] log-probabilities of the sampled ids under the sampling
+            distribution at the sampling temperature, or None when the sampler does not report them.
+    """
+
+    prompts: tuple[Prompt, ...]
+    group_size: int
+    prompt_ids: Tensor  # [N, P]
+    prompt_mask: Tensor  # [N, P] bool
+    completion_ids: Tensor  # [N, C]
+    completion_mask: Tensor  # [N, C] bool
+    is_truncated: Tensor  # [N] bool
+    texts: tuple[str, ...]
+    sampler_logprobs: Tensor | None = None  # [N, C]
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts) * self.group_size
+        shapes = {
+            "prompt_ids": self.prompt_ids.shape[0],
+            "prompt_mask": self.prompt_mask.shape[0],
+            "completion_ids": self.completion_ids.shape[0],
+            "completion_mask": self.completion_mask.shape[0],
+            "is_truncated": self.is_truncated.shape[0],
+            "texts": len(self.texts),
+        }
+        bad = {k: v for k, v in shapes.items() if v != n}
+        if bad:
+            raise ValueError(f"RolloutBatch rows must all equal B*G={n}; got {bad}")
+
+    @property
+    def num_prompts(self) -> int:
+        """B."""
+        return len(self.prompts)
+
+    @property
+    def num_completions(self) -> int:
+        """N = B * G."""
+        return len(self.texts)
+
+    @property
+    def row_prompts(self) -> tuple[Prompt, ...]:
+        """The prompt of each of the N completions (each prompt repeated G times)."""
+        return tuple(p for p in self.prompts for _ in range(self.group_size))
+
+    @property
+    def completion_lengths(self) -> Tensor:
+        """[N] number of sampled tokens of each completion."""
+        return self.completion_mask.sum(dim=1)
+
+    @property
+    def input_ids(self) -> Tensor:
+        """[N, T] prompt and completion ids side by side."""
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """[N, T] True on real prompt tokens and on kept completion tokens."""
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+
+@dataclass(frozen=True)
+class RewardOutput:
+    """Rewards of a step.
+
+    Attributes:
+        total: [B, G] the weighted combination that advantages are computed from.
+        breakdown: reward name -> [B, G] unweighted scores of each component, for logging.
+    """
+
+    total: Tensor  # [B, G]
+    breakdown: Mapping[str, Tensor] = field(default_factory=dict)  # name -> [B, G]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What a loss sees for n completions of one forward/backward pass.
+
+    Attributes:
+        completion_mask: [n, C] True on tokens that count in the loss.
+        advantages: [n] one advantage per completion (broadcast over its tokens).
+        old_logprobs: [n, C] log-probs under the policy that sampled, or None when the loss
+            should treat the current (detached) log-probs as old (one update per batch, on-policy).
+        ref_logprobs: [n, C] log-probs under the reference policy, or None when no KL is used.
+        is_truncated: [n] True where the completion has no EOS.
+    """
+
+    completion_mask: Tensor  # [n, C] bool
+    advantages: Tensor  # [n]
+    old_logprobs: Tensor | None = None  # [n, C]
+    ref_logprobs: Tensor | None = None  # [n, C]
+    is_truncated: Tensor | None = None  # [n] bool
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """A loss value and its metrics.
+
+    Attributes:
+        loss: scalar to call ``backward()`` on. It is already divided by the step-global count,
+            so summing the losses of all micro-batches gives the loss of the whole step.
+        metrics: detached scalars normalised the same way: summing a metric over the
+            micro-batches of a step gives its step value (for example the clip fraction).
+    """
+
+    loss: Tensor
+    metrics: Mapping[str, Tensor] = field(default_factory=dict)
