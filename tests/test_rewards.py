@@ -160,7 +160,13 @@ def test_base_without_score_says_what_to_implement():
         (r"\frac{1}{2}", "<answer>0.5</answer>", 1.0),
         ("1000", r"\boxed{1,000}", 1.0),  # thousands separator
         ("1,000", "<answer>1000</answer>", 1.0),
-        ("-7", "The answer is -7.", 1.0),  # whole-completion fallback
+        ("-7", "The answer is -7.", 1.0),  # no tag or box: the last number
+        ("97", "To add 63 + 34, we need to", 0.0),  # a restated question is not an answer
+        ("97", "63 + 34 = 97, done", 1.0),
+        ("120", "12 + 95 = 120.", 1.0),
+        ("1000", "it costs 1,000 dollars", 1.0),
+        ("0.75", "x = 3/4", 1.0),
+        ("0.5", r"it is \frac{1}{2} of it", 1.0),
         ("-7", "<answer>7</answer>", 0.0),  # sign matters
         ("12", "<think>maybe 11</think>\n<answer>12</answer>", 1.0),
         ("12", r"first \boxed{11}, no: \boxed{12}", 1.0),  # last box

@@ -4,12 +4,14 @@ Rules implemented by :class:`MathAccuracy`:
 
 1. Answer extraction from the completion, first rule that applies:
    the content of the last ``<answer>...</answer>``; else the content of the last
-   ``\\boxed{...}`` with balanced braces; else the whole completion, where math-verify takes the
-   last answer-like expression. A tag or box that is present but blank means "no answer".
+   ``\\boxed{...}`` with balanced braces; else the last number of the completion (an integer,
+   decimal, ``1,000``-style or ``a/b`` number, or a ``\\frac{a}{b}``). A tag or box that is
+   present but blank means "no answer". The fallback is deliberately a single number, never an
+   expression: math-verify would evaluate a restated question such as "To add 63 + 34, we..."
+   to 97 and reward it, and a policy learns that hack within a few steps.
 2. The extracted answer and ``Prompt.target`` are parsed the same way (:func:`parse_answer`):
    text with no ``$`` and no ``\\boxed`` is wrapped as ``$...$`` so plain gold answers parse
-   (``"1000"``, ``"-7"``, ``"0.5"``, ``"\\frac{1}{2}"``, ``"1,000"``). The whole-completion
-   fallback is parsed as is (wrapping prose in ``$`` would read it as a product of symbols).
+   (``"1000"``, ``"-7"``, ``"0.5"``, ``"\\frac{1}{2}"``, ``"1,000"``).
 3. Score 1.0 iff ``math_verify.verify(gold, answer)``, else 0.0. No answer at all is 0.0, not an
    error. A prompt without ``target``, or a target math-verify cannot parse, is an error.
 
@@ -31,10 +33,26 @@ from grpo_engine.rewards.base import Reward, excerpt
 from grpo_engine.rewards.format import boxed_contents
 from grpo_engine.types import Prompt
 
-__all__ = ["MathAccuracy", "answers_equal", "extract_answer", "parse_answer"]
+__all__ = ["MathAccuracy", "answers_equal", "extract_answer", "last_number", "parse_answer"]
 
 TIMEOUT_SECONDS = 5
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUMBER = re.compile(
+    r"\\d?frac\{-?\d+\}\{-?\d+\}"  # \frac{1}{2}, \dfrac{3}{4}
+    r"|-?\d{1,3}(?:,\d{3})+(?:\.\d+)?"  # 1,000 and 12,345.5
+    r"|-?\d+(?:\.\d+)?(?:/\d+)?"  # 42, -7, 0.5, 3/4
+)
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text`` (see the module docstring), or None.
+
+    Example:
+        >>> last_number("12 + 95 = 120."), last_number("so x = -3/4, done"), last_number("none")
+        ('120', '-3/4', None)
+    """
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
 
 
 def _timeout() -> int | None:
@@ -150,9 +168,8 @@ class MathAccuracy(Reward):
             )
         span = _answer_span(completion)
         if span is None:
-            answer = parse_answer(completion, wrap=False)
-        elif span:
-            answer = parse_answer(span)
-        else:
+            span = last_number(completion)
+        if not span:
             return 0.0
+        answer = parse_answer(span)
         return 1.0 if _equal(gold, answer) else 0.0

@@ -1,0 +1,62 @@
+"""Config records: every mistake reported at once with its fix; YAML round trips."""
+
+import pytest
+from pydantic import ValidationError
+
+from grpo_engine import GRPOConfig, LoRA, MemoryPlan
+from grpo_engine.spec import RunSpec, format_validation_error
+
+
+def test_several_mistakes_are_all_reported_with_their_fixes():
+    with pytest.raises(ValidationError) as info:
+        GRPOConfig(group_size=1, temperature=0.0, prompts_per_step="four", top_p=1.5, learning_rate=-1)
+    errors = {e["loc"][0]: e["msg"] for e in info.value.errors()}
+    assert set(errors) == {"group_size", "temperature", "prompts_per_step", "top_p", "learning_rate"}
+    assert "group_size=1 makes every advantage 0" in errors["group_size"]
+    assert "use group_size >= 2" in errors["group_size"]
+    assert "temperature=0.0 must be > 0" in errors["temperature"]
+    assert "use top_p=1.0 to turn it off" in errors["top_p"]
+
+
+def test_unknown_fields_are_errors_with_a_suggestion():
+    data = {
+        "model": "m", "train_prompts": {"function": "x.y"}, "rewards": [{"class": "a.B"}],
+        "config": {"grup_size": 4, "max_steps": 0}, "memory": {"lora": {"rank": 8}, "micro_batch_size": 0},
+    }
+    with pytest.raises(ValidationError) as info:
+        RunSpec.model_validate(data)
+    text = format_validation_error(info.value)
+    assert text.startswith("4 problem(s) in the configuration:")
+    assert "config.grup_size: unknown field; did you mean 'group_size'?" in text
+    assert "config.max_steps: max_steps=0 must be >= 1" in text
+    assert "memory.lora.rank: unknown field" in text
+    assert "memory.micro_batch_size: micro_batch_size=0 must be >= 1" in text
+
+
+def test_yaml_round_trip_and_frozen(tmp_path):
+    cfg = GRPOConfig(prompts_per_step=3, group_size=5, adam_betas=(0.9, 0.95), max_grad_norm=None)
+    path = tmp_path / "c.yaml"
+    cfg.to_yaml(path)
+    assert GRPOConfig.from_yaml(path) == cfg
+    assert cfg.completions_per_step == 15
+    with pytest.raises(ValidationError):
+        cfg.group_size = 4  # frozen
+    plan = MemoryPlan(lora=LoRA(r=8, target_modules=["q_proj", "v_proj"]), optimizer="adamw8bit")
+    assert MemoryPlan.from_yaml(plan.to_yaml()) == plan
+
+
+def test_memory_plan_rejects_bad_values():
+    with pytest.raises(ValidationError) as info:
+        MemoryPlan(optimizer="sgd", lora=LoRA(r=0, dropout=1.0))
+    text = str(info.value)
+    assert "r=0 must be >= 1" in text and "dropout=1.0 must be in [0, 1)" in text
+
+
+def test_component_spec_needs_exactly_one_target():
+    from grpo_engine.spec import ComponentSpec, build
+
+    assert build(ComponentSpec.model_validate({"class": "grpo_engine.rewards.MathAccuracy", "weight": 0.5})).weight == 0.5
+    with pytest.raises(ValidationError, match="exactly one of 'class' or 'function'"):
+        ComponentSpec.model_validate({"weight": 1.0})
+    with pytest.raises(ValueError, match="cannot import 'grpo_engine.rewards.Nope'"):
+        build(ComponentSpec.model_validate({"class": "grpo_engine.rewards.Nope"}))
