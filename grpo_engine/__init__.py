@@ -7,7 +7,7 @@ The public surface::
     from grpo_engine.data import load_jsonl_prompts, load_gsm8k, arithmetic_task
 """
 
-from grpo_engine.advantages import GroupNormalized
+from grpo_engine.advantages import RLOO, GroupNormalized, MeanBaseline, ReinforcePlusPlusBaseline
 from grpo_engine.config import GRPOConfig
 from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.memory import LoRA, MemoryPlan
@@ -38,5 +38,8 @@ __all__ = [
     "Reward",
     "WeightedSum",
     "GroupNormalized",
+    "MeanBaseline",
+    "RLOO",
+    "ReinforcePlusPlusBaseline",
     "ClippedSurrogate",
 ]

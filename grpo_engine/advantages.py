@@ -1,43 +1,81 @@
 """Group-relative advantages: one scalar per completion from the rewards of its group.
 
-``GroupNormalized`` implements the outcome-supervision advantage of GRPO (DeepSeekMath,
-Shao et al. 2024, arXiv 2402.03300), broadcast by the loss to every token of the completion:
+Every estimator maps rewards [B, G] (B prompts, G completions each) to advantages [B, G]; the
+loss broadcasts a completion's advantage to all of its tokens. Notation: r_bg is the reward of
+completion g of prompt b, mean_g and std_g are taken over the G rewards of prompt b, and "the
+batch" is the B * G rewards passed in (one step; under data parallelism, the rewards of this
+process unless the caller gathers them).
 
-    A_bg = (r_bg - mean_g r_b) / (std_g r_b + eps)
+``GroupNormalized(std_scope=...)`` subtracts the group mean and divides by a std + ``eps``:
 
-* ``std`` is the unbiased (Bessel, divide by G - 1) standard deviation over the G completions
-  of the group, as TRL and verl compute it; ``eps`` (default 1e-6, verl's value) is added to it.
-* ``scale_by_std=False`` gives the mean-only advantage A_bg = r_bg - mean_g r_b of Dr. GRPO
-  (Liu et al. 2025, arXiv 2503.20783), which removes the 1/std up-weighting of too easy and too
-  hard prompts; (G / (G - 1)) times it is the RLOO advantage.
-* A group whose G rewards are all equal gets advantage exactly 0 (in both modes), whatever
-  rounding the mean has: it carries no learning signal.
-* G = 1 is rejected (every advantage would be 0), unlike verl's mean 0 / std 1 fallback.
+* ``"group"`` (default): A_bg = (r_bg - mean_g r_b) / (std_g r_b + eps), the outcome-supervision
+  advantage of GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300).
+* ``"batch"``: A_bg = (r_bg - mean_g r_b) / (std(all B * G rewards) + eps): group mean, batch std,
+  as in Lite PPO (Liu et al. 2025, arXiv 2508.08221) and TRL ``scale_rewards="batch"`` (TRL takes
+  the std of the raw rewards of the whole batch, as here, and uses eps = 1e-4).
+* ``"none"``: A_bg = r_bg - mean_g r_b, the mean-only advantage of Dr. GRPO (Liu et al. 2025,
+  arXiv 2503.20783), which removes the 1/std up-weighting of too easy and too hard prompts.
+  ``MeanBaseline()`` is the same computation under its paper name (one code path, equal bits).
 
-Computation is in float32, or float64 for float64 rewards. Pure: no ``.item()``, no logging.
+``RLOO`` (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740) subtracts the mean of the
+*other* G - 1 rewards: A_bg = r_bg - sum_{j != g} r_bj / (G - 1) = G / (G - 1) * (r_bg - mean_g r_b),
+so it is Dr. GRPO's advantage times the constant G / (G - 1).
+
+``ReinforcePlusPlusBaseline`` (REINFORCE++-baseline, Hu 2025, arXiv 2501.03262; OpenRLHF
+``reinforce_baseline``, verl ``reinforce_plus_plus_baseline``) subtracts the group mean, then
+whitens over the batch: A = (a - mean_batch a) / (std_batch a + eps) with a_bg = r_bg - mean_g r_b.
+We whiten the B * G *completions*, each weighted equally. With equal group sizes mean_batch a is 0
+up to rounding, so the output is the group-centred reward divided by its batch std.
+verl tiles each advantage over the completion's tokens and whitens the tokens (``masked_whiten``:
+token-weighted mean, Bessel-corrected variance over the token count, scale 1/sqrt(var + 1e-8));
+OpenRLHF also whitens tokens, with the biased variance and 1/sqrt(max(var, 1e-8)). Token
+whitening weights a completion by its length, so long completions dominate the statistics, and
+its mean is not 0: a group whose rewards are all equal then gets the nonzero advantage
+-mean_tok / std_tok there, and exactly 0 here. With equal lengths L the two agree except for the
+Bessel factor (N / (N - 1) here, N L / (N L - 1) in verl, N = B * G) and the place of eps.
+
+Choices shared by all estimators:
+
+* every std is the unbiased one (Bessel, divide by n - 1), as ``torch.std``, TRL and verl use;
+  ``eps`` (default 1e-6, verl's group value) is added to the std, never to the variance;
+* a group whose G rewards are all equal gets advantage exactly 0, whatever rounding the mean
+  has: it carries no learning signal (for the batch-whitened estimator this is what the math
+  gives, since the batch mean of the centred rewards is 0);
+* G = 1 is rejected (every advantage would be 0; RLOO's baseline is undefined), unlike verl's
+  mean 0 / std 1 fallback;
+* ``uncertainty`` is accepted for the ``AdvantageFn`` protocol and ignored;
+* computation is in float32, or float64 for float64 rewards. Pure: no ``.item()``, no logging.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-__all__ = ["GroupNormalized", "zero_std_fraction"]
+__all__ = ["GroupNormalized", "MeanBaseline", "RLOO", "ReinforcePlusPlusBaseline", "zero_std_fraction"]
+
+StdScope = Literal["group", "batch", "none"]
 
 
-def _check_rewards(rewards: Tensor) -> None:
-    """Raises ValueError unless ``rewards`` is [B, G] with G >= 2."""
+def _check_eps(eps: float, owner: str) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:  # `not >=` rejects NaN
+        raise ValueError(f"{owner}: eps={eps!r} must be >= 0; pass a small non-negative number such as 1e-6")
+
+
+def _centered(rewards: Tensor, owner: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Checks ``rewards`` [B, G] (G >= 2) and returns (float rewards, r - mean_g r, [B, 1] equal-group mask)."""
     if rewards.dim() != 2:
         raise ValueError(
-            f"rewards shape {tuple(rewards.shape)} must be 2-D [B, G] (prompts x group); "
+            f"{owner}: rewards shape {tuple(rewards.shape)} must be 2-D [B, G] (prompts x group); "
             "reshape the flat [N] rewards with rewards.view(-1, group_size)"
         )
     if rewards.shape[1] < 2:
-        raise ValueError(
-            f"group_size={rewards.shape[1]} makes every advantage 0; use group_size >= 2"
-        )
+        raise ValueError(f"{owner}: group_size={rewards.shape[1]} makes every advantage 0; use group_size >= 2")
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    return r, r - r.mean(dim=1, keepdim=True), _equal_groups(r)
 
 
 def _equal_groups(rewards: Tensor) -> Tensor:
@@ -45,36 +83,45 @@ def _equal_groups(rewards: Tensor) -> Tensor:
     return (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
 
 
+def _zero_where(equal: Tensor, advantages: Tensor) -> Tensor:
+    return torch.where(equal, torch.zeros_like(advantages), advantages)
+
+
 @dataclass(frozen=True)
 class GroupNormalized:
-    """Group z-score (GRPO) or group mean baseline (Dr. GRPO) advantages.
+    """Group-mean advantages scaled by the group std (GRPO), the batch std (Lite PPO) or nothing.
 
     Args:
-        scale_by_std: divide by the group's unbiased std + ``eps`` (GRPO); False subtracts the
-            group mean only (Dr. GRPO).
-        eps: >= 0, added to the std before dividing; unused when ``scale_by_std`` is False.
+        std_scope: ``"group"`` divides by the unbiased std of the G rewards of the group (GRPO);
+            ``"batch"`` by the unbiased std of all B * G rewards (Lite PPO, TRL
+            ``scale_rewards="batch"``); ``"none"`` only subtracts the group mean (Dr. GRPO, the
+            same as :class:`MeanBaseline`).
+        eps: >= 0, added to the std before dividing; unused with ``std_scope="none"``.
 
     Example:
         >>> GroupNormalized()(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
         tensor([[ 1.5000, -0.5000, -0.5000, -0.5000]])
-        >>> GroupNormalized(scale_by_std=False)(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+        >>> GroupNormalized(std_scope="none")(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
         tensor([[ 0.7500, -0.2500, -0.2500, -0.2500]])
     """
 
-    scale_by_std: bool = True
+    std_scope: StdScope = "group"
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        if not self.eps >= 0:  # also rejects NaN
-            raise ValueError(f"eps={self.eps!r} must be >= 0; pass a small non-negative number")
+        if self.std_scope not in get_args(StdScope):
+            raise ValueError(
+                f"GroupNormalized: std_scope={self.std_scope!r} must be one of 'group' (GRPO), 'batch' "
+                "(Lite PPO) or 'none' (Dr. GRPO); for example GroupNormalized(std_scope='group')"
+            )
+        _check_eps(self.eps, "GroupNormalized")
 
     def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
         """Advantages of every completion relative to its group.
 
         Args:
             rewards: [B, G] total reward of each completion, G >= 2 (any real or integer dtype).
-            uncertainty: [B] per-group uncertainty; accepted for the ``AdvantageFn`` protocol
-                and ignored (this estimator does not use it).
+            uncertainty: [B] per-group uncertainty; ignored by this estimator.
 
         Returns:
             [B, G] advantages, float32 (float64 for float64 rewards); exact 0 in groups whose
@@ -84,12 +131,91 @@ class GroupNormalized:
             ValueError: if ``rewards`` is not 2-D or G < 2.
         """
         del uncertainty  # not used by this estimator
-        _check_rewards(rewards)
-        r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-        advantages = r - r.mean(dim=1, keepdim=True)
-        if self.scale_by_std:
+        r, advantages, equal = _centered(rewards, "GroupNormalized")
+        if self.std_scope == "group":
             advantages = advantages / (r.std(dim=1, keepdim=True, correction=1) + self.eps)
-        return torch.where(_equal_groups(r), torch.zeros_like(advantages), advantages)
+        elif self.std_scope == "batch":
+            advantages = advantages / (r.std(correction=1) + self.eps)
+        return _zero_where(equal, advantages)
+
+
+@dataclass(frozen=True)
+class MeanBaseline:
+    """Dr. GRPO advantages: A_bg = r_bg - mean_g r_b (no std).
+
+    The same computation as ``GroupNormalized(std_scope="none")``. Multiplied by G / (G - 1) it
+    is the :class:`RLOO` advantage.
+
+    Example:
+        >>> MeanBaseline()(torch.tensor([[2.0, 4.0, 0.0, 2.0]]))
+        tensor([[ 0.,  2., -2.,  0.]])
+    """
+
+    def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
+        """Maps rewards [B, G] (G >= 2) to [B, G] advantages; ``uncertainty`` is ignored."""
+        del uncertainty  # not used by this estimator
+        _, advantages, equal = _centered(rewards, "MeanBaseline")
+        return _zero_where(equal, advantages)
+
+
+@dataclass(frozen=True)
+class RLOO:
+    """REINFORCE leave-one-out advantages: A_bg = r_bg - mean of the other G - 1 rewards of the group.
+
+    Example:
+        >>> RLOO()(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+        tensor([[ 1.0000, -0.3333, -0.3333, -0.3333]])
+    """
+
+    def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
+        """Maps rewards [B, G] (G >= 2) to [B, G] advantages; ``uncertainty`` is ignored.
+
+        Raises:
+            ValueError: if ``rewards`` is not 2-D or G < 2 (no other completion to average).
+        """
+        del uncertainty  # not used by this estimator
+        if rewards.dim() == 2 and rewards.shape[1] == 1:
+            raise ValueError(
+                "RLOO: group_size=1 leaves no other completion for the leave-one-out baseline; "
+                "use group_size >= 2"
+            )
+        r, _, equal = _centered(rewards, "RLOO")
+        others_mean = (r.sum(dim=1, keepdim=True) - r) / (r.shape[1] - 1)
+        return _zero_where(equal, r - others_mean)
+
+
+@dataclass(frozen=True)
+class ReinforcePlusPlusBaseline:
+    """REINFORCE++-baseline: subtract the group mean, then whiten over the B * G completions.
+
+    A = (a - mean_batch a) / (std_batch a + eps), a_bg = r_bg - mean_g r_b, std unbiased (n = B * G).
+    Each completion counts once (verl and OpenRLHF whiten tokens; see the module docstring).
+
+    Args:
+        eps: >= 0, added to the batch std before dividing.
+
+    Example:
+        >>> ReinforcePlusPlusBaseline(eps=0.0)(torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+        tensor([[ 1.2247, -1.2247],
+                [ 0.0000,  0.0000]])
+    """
+
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        _check_eps(self.eps, "ReinforcePlusPlusBaseline")
+
+    def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
+        """Maps rewards [B, G] (G >= 2) to [B, G] advantages with batch mean 0 and batch std ~1.
+
+        ``uncertainty`` is ignored. A group whose rewards are all equal gets exact zeros; when
+        every group is like that, every advantage is 0.
+        """
+        del uncertainty  # not used by this estimator
+        _, centered, equal = _centered(rewards, "ReinforcePlusPlusBaseline")
+        centered = _zero_where(equal, centered)
+        whitened = (centered - centered.mean()) / (centered.std(correction=1) + self.eps)
+        return _zero_where(equal, whitened)
 
 
 def zero_std_fraction(rewards: Tensor) -> Tensor:

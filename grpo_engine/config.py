@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -30,10 +30,27 @@ __all__ = ["FrozenModel", "GRPOConfig", "load_yaml", "dump_yaml"]
 M = TypeVar("M", bound="FrozenModel")
 
 
+Rule = tuple[Callable[[Any], bool], str, str]  # (is the value fine?, the rule, the fix)
+
+
 class FrozenModel(BaseModel):
-    """Base for every config record: frozen, no unknown fields, YAML in and out."""
+    """Base for every config record: frozen, no unknown fields, YAML in and out.
+
+    A subclass lists its value rules in ``field_rules`` (field -> (check, rule, fix)). They are
+    checked per field, so one ``ValidationError`` lists every bad field (type errors included) at
+    once, each message naming the value, the rule and the fix.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    field_rules: ClassVar[dict[str, Rule]] = {}
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
+        rule = cls.field_rules.get(info.field_name or "")
+        if rule is not None and not rule[0](value):
+            raise ValueError(f"{info.field_name}={value!r} {rule[1]}; {rule[2]}")
+        return value
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         """Returns the record as YAML text, and writes it to ``path`` when given."""
@@ -113,15 +130,8 @@ class GRPOConfig(FrozenModel):
         """N = prompts_per_step * group_size."""
         return self.prompts_per_step * self.group_size
 
-    @field_validator("*", mode="after")
-    @classmethod
-    def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
-        return check_rule(_RULES, value, info)
 
-
-# field -> (is the value fine?, the rule, the fix). Checked per field, so one ValidationError lists
-# every bad field (type errors included) at once.
-_RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+GRPOConfig.field_rules = {
     **{
         name: (lambda v: v >= 1, "must be >= 1", f"set {name} to a positive integer")
         for name in ("prompts_per_step", "updates_per_batch", "max_prompt_tokens", "max_completion_tokens",
@@ -141,11 +151,3 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "max_train_seconds": (lambda v: v is None or v > 0, "must be > 0", "use null for no time limit"),
     "save_every_steps": (lambda v: v is None or v >= 1, "must be >= 1", "use null to save only at the end"),
 }
-
-
-def check_rule(rules: dict[str, tuple[Callable[[Any], bool], str, str]], value: Any, info: ValidationInfo) -> Any:
-    """Applies ``rules[info.field_name]`` to a field value; the error names value, rule and fix."""
-    rule = rules.get(info.field_name or "")
-    if rule is not None and not rule[0](value):
-        raise ValueError(f"{info.field_name}={value!r} {rule[1]}; {rule[2]}")
-    return value

@@ -37,11 +37,11 @@ class DemoSettings:
     prompts_per_step: int = 4
     group_size: int = 8
     max_completion_tokens: int = 24
-    temperature: float = 1.0
-    learning_rate: float = 2e-4
+    temperature: float = 0.7
+    learning_rate: float = 3e-4
     lora_r: int = 16
     micro_batch_size: int = 16
-    instruction: str = ""
+    instruction: str = " Reply with only the final number."
     seed: int = 0
     output_dir: str = "runs/demo"
 
@@ -93,6 +93,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
 
     s = settings if settings is not None else DemoSettings()
     wall = time.perf_counter()
+    out = Path(s.output_dir) / time.strftime("%Y%m%d-%H%M%S")  # each run its own folder: nothing is overwritten
     torch.manual_seed(s.seed)
     model, tokenizer = load_model(smollm2_folder())
     train, test = arithmetic_task(s.num_train, s.num_test, seed=s.seed)
@@ -109,18 +110,18 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
     config = GRPOConfig(
         prompts_per_step=s.prompts_per_step, group_size=s.group_size, max_completion_tokens=s.max_completion_tokens,
         max_prompt_tokens=128, max_steps=10_000, max_train_seconds=s.train_seconds, temperature=s.temperature,
-        learning_rate=s.learning_rate, seed=s.seed, output_dir=s.output_dir,
+        learning_rate=s.learning_rate, seed=s.seed, output_dir=str(out),
     )
     memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size)
     trainer = GRPOTrainer(model, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
                           template=template)
     history = trainer.train()
     after = accuracy(trainer.model)
-    out = Path(s.output_dir)
     plot_reward_curve(history, out / "reward_curve.png", before=before, after=after)
     (out / "demo_settings.json").write_text(json.dumps(asdict(s), indent=2))
     summary = {"model": MODEL_NAME, "steps": trainer.step_count, "before_accuracy": round(before, 4),
-               "after_accuracy": round(after, 4), "wall_s": round(time.perf_counter() - wall, 1)}
+               "after_accuracy": round(after, 4), "wall_s": round(time.perf_counter() - wall, 1),
+               "output_dir": str(out)}
     print(json.dumps(summary), flush=True)
     return summary
 

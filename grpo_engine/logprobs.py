@@ -33,12 +33,17 @@ def _softcap(model: nn.Module) -> float | None:
 
 
 def _chunk_logprobs(hidden: Tensor, weight_fn: nn.Module, targets: Tensor, temperature: float,
-                    softcap: float | None) -> Tensor:
+                    softcap: float | None, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     logits = weight_fn(hidden).float()  # [k, V]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / temperature
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    norm = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - norm
+    if not with_entropy:
+        return logprobs, None
+    entropy = norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = logZ - E_p[z]
+    return logprobs, entropy
 
 
 def selective_logprobs(
@@ -49,8 +54,9 @@ def selective_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     softcap: float | None = None,
-) -> Tensor:
-    """Log-probs of ``targets`` from hidden states, chunk by chunk.
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs of ``targets`` (and optionally the token entropy) from hidden states, chunk by chunk.
 
     Args:
         hidden: [k, H] hidden states, each predicting the target at the same index.
@@ -59,9 +65,11 @@ def selective_logprobs(
         temperature: logits are divided by it before the softmax.
         chunk_size: tokens per chunk; bounds the logits memory to ``chunk_size * V``.
         softcap: Gemma-2-style final logit soft-capping, when the model uses it.
+        with_entropy: also return the entropy of each position's distribution (same pass, no
+            extra forward), ``H = logsumexp(z) - sum softmax(z) * z`` at the temperature.
 
     Returns:
-        [k] float32 log-probs.
+        [k] float32 log-probs, or ``(logprobs [k], entropy [k])`` with ``with_entropy``.
 
     Example:
         >>> head = torch.nn.Linear(4, 10, bias=False)
@@ -70,17 +78,22 @@ def selective_logprobs(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1; use e.g. 1024")
-    pieces = []
+    logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         h = hidden[start:start + chunk_size]
         t = targets[start:start + chunk_size]
+        args = (h, lm_head, t, temperature, softcap, with_entropy)
         if torch.is_grad_enabled() and h.requires_grad:
-            pieces.append(checkpoint(_chunk_logprobs, h, lm_head, t, temperature, softcap, use_reentrant=False))
+            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
-            pieces.append(_chunk_logprobs(h, lm_head, t, temperature, softcap))
-    if not pieces:
-        return hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(pieces)
+            lp, ent = _chunk_logprobs(*args)
+        logprobs.append(lp)
+        entropies.append(ent)
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    out = torch.cat(logprobs) if logprobs else empty
+    if not with_entropy:
+        return out
+    return out, (torch.cat(entropies) if entropies else empty)
 
 
 def completion_logprobs(
@@ -92,8 +105,9 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
-) -> Tensor:
-    """Log-probs of each kept completion token under ``model``.
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs of each kept completion token under ``model`` (and optionally the token entropy).
 
     Args:
         model: a transformers causal LM (or a peft model wrapping one).
@@ -103,9 +117,11 @@ def completion_logprobs(
         completion_mask: [n, C] True on tokens to score.
         temperature: the sampling temperature.
         chunk_size: tokens per lm_head chunk.
+        with_entropy: also return the [n, C] entropy of each position's next-token distribution.
 
     Returns:
-        [n, C] float32 log-probs; 0 where ``completion_mask`` is False.
+        [n, C] float32 log-probs, 0 where ``completion_mask`` is False; with ``with_entropy``,
+        ``(logprobs, entropy)``, both [n, C].
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
@@ -127,6 +143,9 @@ def completion_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         softcap=_softcap(model),
+        with_entropy=with_entropy,
     )
-    logprobs = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
-    return logprobs.masked_scatter(keep, selected)
+    zeros = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    if not with_entropy:
+        return zeros.masked_scatter(keep, selected)
+    return zeros.masked_scatter(keep, selected[0]), zeros.masked_scatter(keep, selected[1])

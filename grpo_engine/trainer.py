@@ -108,6 +108,7 @@ class GRPOTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step_count = 0
         self.history: list[dict[str, float]] = []
+        self._metric_keys: tuple[str, ...] = ("loss",)
         self._warned_zero_std = False
 
     # -- the loop --------------------------------------------------------------------------------
@@ -116,6 +117,10 @@ class GRPOTrainer:
         """Runs ``config.max_steps`` steps (minus those already done); returns every step's metrics."""
         cfg = self.config
         out = Path(cfg.output_dir)
+        if self.step_count == 0 and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size:
+            raise FileExistsError(f"output_dir={str(out)!r} already holds a run (metrics.jsonl); a new run would "
+                                  "mix its metrics with it and replace its saved model. Choose another "
+                                  "output_dir, or move the old run away first")
         total = None if cfg.max_train_seconds else cfg.max_steps
         with MetricsLogger(out, total_steps=total, progress_bar=cfg.progress_bar,
                            initial_step=self.step_count) as logger:
@@ -157,13 +162,15 @@ class GRPOTrainer:
 
         # 5. micro-batched loss and backward, 6. optimizer step (mu times on this batch)
         loss_metrics: dict[str, float] = {}
+        lr = self.scheduler.get_last_lr()[0]
         with timer("train"):
             for _ in range(cfg.updates_per_batch):
                 loss_metrics = self._update(batch, advantages, old, ref)
+        self.scheduler.step()  # the schedule counts steps, not the mu updates inside one
 
         self.step_count += 1
         metrics = {**self._batch_metrics(batch, rewards), **loss_metrics, **timer.seconds()}
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["lr"] = lr
         metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
         self.history.append(metrics)
         return metrics
@@ -175,7 +182,6 @@ class GRPOTrainer:
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
         metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), max_norm))
         self.optimizer.step()
-        self.scheduler.step()
         return metrics
 
     def compute_gradients(self, batch: RolloutBatch, advantages: Tensor, *, old_logprobs: Tensor | None = None,
@@ -197,29 +203,40 @@ class GRPOTrainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = int(batch.completion_mask.sum())
-        sums: dict[str, float] = {"loss": 0.0}
+        num_tokens, num_sequences = self._counts(batch)
+        with_entropy = bool(getattr(self.loss, "requires_entropy", False))
+        sums: dict[str, float] = dict.fromkeys(self._metric_keys, 0.0)
         try:
-            for idx in self._rows_to_train(advantages).split(self.memory.micro_batch_size):
+            rows = self._rows_to_train(advantages) if num_sequences else torch.zeros(0, dtype=torch.long)
+            for idx in rows.split(self.memory.micro_batch_size) if rows.numel() else ():
                 pid, pmask, cid, cmask = _trimmed(batch, idx)
-                logprobs = completion_logprobs(self.model, pid, pmask, cid, cmask,
-                                               temperature=self.config.temperature,
-                                               chunk_size=self.memory.logprob_chunk_size)
+                out = completion_logprobs(self.model, pid, pmask, cid, cmask, temperature=self.config.temperature,
+                                          chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy)
+                logprobs, entropy = out if with_entropy else (out, None)
                 width, dev = cid.shape[1], logprobs.device
                 micro = MicroBatch(
                     completion_mask=cmask, advantages=advantages[idx].to(dev),
                     old_logprobs=old_logprobs[idx, :width].to(dev) if old_logprobs is not None else None,
                     ref_logprobs=ref_logprobs[idx, :width].to(dev) if ref_logprobs is not None else None,
-                    is_truncated=batch.is_truncated[idx],
+                    is_truncated=batch.is_truncated[idx].to(dev), entropy=entropy,
                 )
-                out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=batch.num_completions)
+                out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=num_sequences)
                 out.loss.backward()
                 sums["loss"] += out.loss.item()
                 for key, value in out.metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
         finally:
             self.model.eval()
+        self._metric_keys = tuple(sums)  # a step that trained no row still logs every key (as 0)
         return sums
+
+    def _counts(self, batch: RolloutBatch) -> tuple[int, int]:
+        """Step-global (valid tokens, sequences) the loss normalises by; the loss may exclude rows."""
+        counts = getattr(self.loss, "counts", None)
+        if counts is not None:
+            tokens, sequences = counts(batch.completion_mask, batch.is_truncated)
+            return int(tokens), int(sequences)
+        return int(batch.completion_mask.sum()), batch.num_completions
 
     def _rows_to_train(self, advantages: Tensor) -> Tensor:
         """Rows that can change the gradient: rows with advantage 0 are skipped when the loss says so."""

@@ -164,6 +164,8 @@ class MicroBatch:
             should treat the current (detached) log-probs as old (one update per batch, on-policy).
         ref_logprobs: [n, C] log-probs under the reference policy, or None when no KL is used.
         is_truncated: [n] True where the completion has no EOS.
+        entropy: [n, C] token entropy of the current policy at the sampling temperature, with
+            gradient, when the loss asks for it (``requires_entropy``), else None.
     """
 
     completion_mask: Tensor  # [n, C] bool
@@ -171,6 +173,7 @@ class MicroBatch:
     old_logprobs: Tensor | None = None  # [n, C]
     ref_logprobs: Tensor | None = None  # [n, C]
     is_truncated: Tensor | None = None  # [n] bool
+    entropy: Tensor | None = None  # [n, C]
 
 
 @dataclass(frozen=True)

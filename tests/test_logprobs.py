@@ -82,3 +82,18 @@ def test_selective_logprobs_hand_case():
     torch.testing.assert_close(got, torch.log(torch.tensor([0.75, 0.25])))
     with pytest.raises(ValueError, match="chunk_size=0"):
         selective_logprobs(hidden, head, torch.tensor([1, 0]), chunk_size=0)
+
+
+def test_token_entropy_equals_the_full_softmax_value_with_gradient():
+    model = tiny_llama(V)
+    inputs = batch(3)
+    lp, ent = completion_logprobs(model, *inputs, temperature=0.8, chunk_size=2, with_entropy=True)
+    ids = torch.cat([inputs[0], inputs[2]], 1)
+    mask = torch.cat([inputs[1], inputs[3]], 1).long()
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    p = torch.softmax(logits[:, inputs[0].shape[1] - 1:-1].double() / 0.8, -1)
+    want = torch.where(inputs[3], -(p * p.log()).sum(-1), torch.zeros((), dtype=torch.float64))
+    torch.testing.assert_close(ent.double(), want, rtol=0, atol=2e-6)
+    torch.testing.assert_close(lp, completion_logprobs(model, *inputs, temperature=0.8))
+    ent.sum().backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0

@@ -42,8 +42,9 @@ def random_inputs(seed=0, lengths=(6, 1, 3, 0, 2, 6, 4, 1), width=6, dtype=torch
     return logprobs.to(dtype).requires_grad_(), mask, adv, old.to(dtype), ref.to(dtype)
 
 
-def reference(lp, old, ref, adv, mask, *, eps_low, eps_high, kl_coef, aggregation, nvt, ns):
-    """Naive fp64 loop over sequences and tokens, straight from the paper formulas."""
+def reference(lp, old, ref, adv, mask, *, eps_low, eps_high, kl_coef, aggregation, nvt, ns, delta=None, est="k3"):
+    """Naive fp64 loop over sequences and tokens, straight from the paper formulas
+    (δ: INTELLECT-2's cap on the unclipped ratio; est: Schulman's k1/k2/k3)."""
     lp, old, ref, adv, mask = (x.detach().double().tolist() for x in (lp, old, ref, adv, mask))
     out = dict(loss=0.0, policy_loss=0.0, clip_fraction=0.0, kl=0.0)
     grad = [[0.0] * len(row) for row in mask]
@@ -58,16 +59,17 @@ def reference(lp, old, ref, adv, mask, *, eps_low, eps_high, kl_coef, aggregatio
                 continue
             ratio = math.exp(lp[i][t] - old[i][t])
             clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
-            surrogate = min(ratio * adv[i], clipped * adv[i])
-            clip_active = clipped * adv[i] < ratio * adv[i]
+            capped = ratio if delta is None else min(ratio, delta)
+            surrogate = min(capped * adv[i], clipped * adv[i])
+            clip_active = clipped * adv[i] < capped * adv[i] or (capped != ratio and adv[i] != 0)
             x = ref[i][t] - lp[i][t]
-            kl = math.exp(x) - x - 1
+            kl, d_kl = {"k1": (-x, 1.0), "k2": (x * x / 2, -x), "k3": (math.exp(x) - x - 1, 1 - math.exp(x))}[est]
             out["loss"] += w * (-surrogate + kl_coef * kl)
             out["policy_loss"] += w * -surrogate
             out["clip_fraction"] += clip_active / nvt
             out["kl"] += kl / nvt
             d_surrogate = 0.0 if clip_active else -ratio * adv[i]
-            grad[i][t] = w * (d_surrogate + kl_coef * (1 - math.exp(x)))
+            grad[i][t] = w * (d_surrogate + kl_coef * d_kl)
     return out, torch.tensor(grad, dtype=torch.float64)
 
 
@@ -192,6 +194,25 @@ def test_matches_naive_reference(aggregation, kl_coef, dtype, tol):
         assert out.metrics[name].item() == pytest.approx(value, rel=tol, abs=tol), name
         assert not out.metrics[name].requires_grad
     torch.testing.assert_close(lp.grad.double(), grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("delta, est", [(1.5, "k3"), (2.0, "k2"), (None, "k1")])
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_delta_and_kl_estimators_match_naive_reference(aggregation, delta, est):
+    lp, mask, adv, old, ref = random_inputs(seed=4)
+    old = old.clone()
+    old[0, :3] = lp.detach()[0, :3] - 1.0  # ratio e ≈ 2.72 > δ on three tokens of a row with A != 0
+    fn = ClippedSurrogate(0.2, 0.28, 0.1, aggregation, MAX_LEN, delta=delta, kl_estimator=est)
+    nvt, ns = int(mask.sum()), mask.shape[0]
+    out = run(fn, lp, mask, adv, old, ref)
+    out.loss.backward()
+    want, grad = reference(lp, old, ref, adv, mask, eps_low=0.2, eps_high=0.28, kl_coef=0.1,
+                           aggregation=aggregation, nvt=nvt, ns=ns, delta=delta, est=est)
+    assert adv[0] != 0 and 0 < want["clip_fraction"] < 1
+    assert out.loss.item() == pytest.approx(want.pop("loss"), rel=1e-10, abs=1e-10)
+    for name, value in want.items():
+        assert out.metrics[name].item() == pytest.approx(value, rel=1e-10, abs=1e-10), name
+    torch.testing.assert_close(lp.grad, grad, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("aggregation", AGGS)

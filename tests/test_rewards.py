@@ -358,3 +358,90 @@ def test_weighted_sum_propagates_reward_errors():
     batch = make_batch([Q, Prompt("no target")], ["12", "12", "12", "12"], group_size=2)
     with pytest.raises(RewardError, match="'math_accuracy'.*sample 2"):
         WeightedSum([MathAccuracy()])(batch)
+
+
+class Fixed:
+    """A protocol-only reward returning fixed scores [N] (row b * G + g)."""
+
+    def __init__(self, name: str, scores: list[float], weight: float = 1.0) -> None:
+        self.name, self.weight, self.scores = name, weight, scores
+
+    def __call__(self, prompts, completions):
+        return torch.tensor(self.scores)
+
+
+def two_rewards(weight_large: float = 0.5) -> list[Fixed]:
+    return [
+        Fixed("small", [0.0, 1.0, 2.0, 1.0, 1.0, 1.0]),
+        Fixed("large", [40.0, 0.0, 20.0, 0.0, 100.0, 50.0], weight=weight_large),
+    ]
+
+
+def test_weighted_sum_normalize_each_hand_values():
+    """B=2, G=3. small (w=1): [0, 1, 2 | 1, 1, 1]; large (w=0.5): [40, 0, 20 | 0, 100, 50].
+    Group z-scores (unbiased std): small [0,1,2] mean 1, std 1 -> [-1, 0, 1]; [1,1,1] -> [0, 0, 0].
+    large [40,0,20] mean 20, deviations [20,-20,0], variance 800/2, std 20 -> [1, -1, 0];
+    [0,100,50] mean 50, std 50 -> [-1, 1, 0].
+    each:      [-1 + 0.5, 0 - 0.5, 1 + 0 | 0 - 0.5, 0 + 0.5, 0] = [-0.5, -0.5, 1 | -0.5, 0.5, 0]
+    after_sum: [0 + 20, 1 + 0, 2 + 10 | 1 + 0, 1 + 50, 1 + 25] = [20, 1, 12 | 1, 51, 26]
+    (the large reward alone orders the completions; z-scored, both count)."""
+    batch = make_batch([Q, Q], list("abcdef"), group_size=3)
+    each = WeightedSum(two_rewards(), normalize="each")(batch)
+    torch.testing.assert_close(each.total, torch.tensor([[-0.5, -0.5, 1.0], [-0.5, 0.5, 0.0]]), rtol=0, atol=1e-5)
+    after = WeightedSum(two_rewards())(batch)
+    torch.testing.assert_close(after.total, torch.tensor([[20.0, 1.0, 12.0], [1.0, 51.0, 26.0]]))
+    for out in (each, after):  # the breakdown is always the raw, unweighted scores
+        assert out.breakdown["small"].tolist() == [[0.0, 1.0, 2.0], [1.0, 1.0, 1.0]]
+        assert out.breakdown["large"].tolist() == [[40.0, 0.0, 20.0], [0.0, 100.0, 50.0]]
+
+
+def test_weighted_sum_normalize_each_matches_reference_and_equal_groups_give_exact_zero():
+    """Each reward [B, G] goes through GroupNormalized() (group std, eps 1e-6, exact 0 where a
+    reward is constant in a group); a reward constant in every group adds exactly nothing."""
+    from grpo_engine.advantages import GroupNormalized
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(12, generator=gen), torch.rand(12, generator=gen) * 100
+    rewards = [Fixed("a", a.tolist(), weight=1.5), Fixed("b", b.tolist(), weight=-0.25), Fixed("c", [0.1] * 12)]
+    out = WeightedSum(rewards, normalize="each")(make_batch([Q] * 3, ["x"] * 12, group_size=4))
+    want = 1.5 * GroupNormalized()(a.view(3, 4)) - 0.25 * GroupNormalized()(b.view(3, 4))
+    assert torch.equal(out.total, want)
+
+
+def test_weighted_sum_normalize_each_then_batch_whitening_is_gdpo():
+    """normalize='each' + ReinforcePlusPlusBaseline == TRL's 'normalize_then_sum' (GDPO):
+    per-reward group z-score, weighted sum, then (t - mean) / std over the batch (eps aside)."""
+    from grpo_engine.advantages import ReinforcePlusPlusBaseline
+
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64)  # [K rewards, B, G]
+    weights = torch.tensor([1.0, 0.3], dtype=torch.float64)
+    z = (scores - scores.mean(-1, keepdim=True)) / scores.std(-1, keepdim=True)
+    t = (weights[:, None, None] * z).sum(0)
+    want = (t - t.mean()) / t.std()
+    rewards = [Fixed(f"r{k}", scores[k].flatten().tolist(), weight=weights[k].item()) for k in range(2)]
+    total = WeightedSum(rewards, normalize="each")(make_batch([Q] * 4, ["x"] * 12, group_size=3)).total
+    torch.testing.assert_close(ReinforcePlusPlusBaseline(eps=0.0)(total).double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_weighted_sum_prefers_score_rollout():
+    class Both:
+        name, weight = "both", 1.0
+
+        def __call__(self, prompts, completions):
+            raise AssertionError("__call__ must not be used when score_rollout exists")
+
+        def score_rollout(self, batch):
+            return torch.arange(batch.num_completions, dtype=torch.float32)
+
+    out = WeightedSum([Both()])(make_batch([Q, Q], list("abcd"), group_size=2))
+    assert out.total.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_weighted_sum_normalize_errors_and_repr():
+    with pytest.raises(ValueError, match=r"normalize='before_sum' must be 'after_sum' .* or 'each'"):
+        WeightedSum([MathAccuracy()], normalize="before_sum")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"normalize='each'\): group_size=1 makes every .* use group_size >= 2"):
+        WeightedSum([Fixed("a", [1.0, 0.0])], normalize="each")(make_batch([Q, Q], ["a", "b"], group_size=1))
+    assert repr(WeightedSum([MathAccuracy()], normalize="each")).endswith(", normalize='each')")
+    assert "normalize" not in repr(WeightedSum([MathAccuracy()]))

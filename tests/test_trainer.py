@@ -111,6 +111,34 @@ def test_kl_reference_is_the_adapter_free_model_under_lora(tmp_path):
     assert second["kl"] > 1e-6
 
 
+def test_a_step_where_every_group_ties_trains_nothing_and_logs_every_key(tmp_path):
+    trainer = make_trainer(tmp_path)
+    trainer.step()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+
+    class Tie(DigitShare):
+        def score(self, prompt, completion):
+            return 1.0
+
+    from grpo_engine.rewards import WeightedSum
+
+    trainer.rewards = WeightedSum([Tie(name="digit_share")])
+    with pytest.warns(UserWarning, match="every group has identical rewards"):
+        metrics = trainer.step()
+    assert metrics["zero_std_fraction"] == 1.0 and metrics["grad_norm"] == 0.0
+    assert metrics["clip_fraction"] == 0.0 and metrics["policy_loss"] == 0.0
+    for a, b in zip(before, trainer.model.parameters()):
+        assert torch.equal(a, b)  # no gradient: AdamW with no grads leaves weights alone
+
+
+def test_schedule_counts_steps_and_logs_the_rate_it_used(tmp_path):
+    trainer = make_trainer(tmp_path, updates_per_batch=2, warmup_steps=2, lr_schedule="linear", max_steps=4,
+                           learning_rate=0.3)
+    rates = [trainer.step()["lr"] for _ in range(4)]
+    # warm-up (s+1)/(w+1) for s < 2, then linear decay 1 - (s-2)/(4-2)
+    assert rates == pytest.approx([0.1, 0.2, 0.3, 0.15])
+
+
 def test_no_reference_without_kl(tmp_path):
     assert make_trainer(tmp_path).reference is None
 

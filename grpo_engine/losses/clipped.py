@@ -3,16 +3,27 @@
 Per valid token t of completion i (``logprobs`` with gradient, ``old``/``ref`` without):
 
     ratio_it = exp(logprobs_it - old_it)
-    ℓ_it     = -min(ratio_it · A_i, clip(ratio_it, 1 - clip_eps_low, 1 + clip_eps_high) · A_i)
-               + kl_coef · k3(logprobs_it, ref_it)
+    ℓ_it     = -min(min(ratio_it, δ) · A_i, clip(ratio_it, 1 - clip_eps_low, 1 + clip_eps_high) · A_i)
+               + kl_coef · k(logprobs_it, ref_it)
+    loss     = agg(ℓ) - entropy_coef · agg(H)
 
 * Clip: two-sided on the token ratio, asymmetric when ``clip_eps_high != clip_eps_low``
   ("Clip-Higher", DAPO, Yu et al. 2025, arXiv 2503.14476, uses 0.2 / 0.28).
+* δ (``delta``, off by default): INTELLECT-2's two-sided clip (arXiv 2505.07291) clamps the raw
+  ratio of the *unclipped* term above at δ > 1 + clip_eps_high, exactly as TRL's ``delta``
+  (the clamp comes after the clipped ratio is formed). It only bites for A < 0, where the loss
+  is then capped at -δ·A with no gradient (like dual-clip PPO with c = δ); for A > 0 the ε clip
+  already holds the term at 1 + clip_eps_high.
 * Old policy: ``batch.old_logprobs``, or the detached current ``logprobs`` when None (one
   update per batch, μ = 1): the ratio is then exactly 1 and ∇ℓ = -A ∇ log π_θ.
-* KL: Schulman's k3 estimator of KL(π_θ ‖ π_ref) added to the per-token loss (not to the
-  reward), as in GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300); off when
-  ``kl_coef`` is 0 (the default, as in DAPO and Dr. GRPO).
+* KL: an estimator of KL(π_θ ‖ π_ref) added to the per-token loss (not to the reward), as in
+  GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300), with ``kl_estimator`` "k3" (GRPO's,
+  the default), "k2" or "k1" (see :mod:`grpo_engine.losses.kl` for their gradients: k2's is the
+  true reverse-KL gradient on-policy, k1's expectation is 0, k3's is biased); off when
+  ``kl_coef`` is 0 (the default, as in DAPO and Dr. GRPO). No ratio weighting of the KL term.
+* Entropy bonus (off by default): ``entropy_coef`` · the token entropy ``batch.entropy``
+  [n, C] (with gradient), aggregated like the loss, is subtracted, so higher entropy lowers
+  the loss. TRL instead always uses the token mean of the micro-batch for its bonus.
 * Aggregation over the mask m (counts are for the whole optimizer step, so summing the
   micro-batch losses gives the loss of the step):
 
@@ -21,8 +32,19 @@ Per valid token t of completion i (``logprobs`` with gradient, ``old``/``ref`` w
   - ``"constant"`` (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783, as TRL's ``dr_grpo``):
     Σ_it ℓ_it m_it / (num_sequences · max_completion_tokens)
 
-* Truncated completions are treated like any other; mask them upstream to drop them.
+* Truncated completions: kept by default. With ``mask_truncated=True`` (DAPO's overlong
+  filtering) a row with ``batch.is_truncated`` True adds nothing to loss, gradient or metrics,
+  and :meth:`ClippedSurrogate.counts` leaves it out of both step counts, so it is filtered out
+  rather than counted as a zero. TRL's ``mask_truncated_completions`` zeroes the mask instead:
+  its ``grpo`` and ``dr_grpo`` still divide by every row (so they shrink the loss by
+  kept/all rows); its token-normalised ``dapo`` agrees with ``"token"`` here.
 * Advantages arrive precomputed (see :mod:`grpo_engine.advantages`), one per completion.
+
+Parity with TRL 1.16 ``GRPOTrainer`` (``tests/test_trl_parity.py``): equal loss and gradient for
+``grpo`` = ``"sequence"``, ``dapo`` = ``"token"``, ``dr_grpo`` = ``"constant"``, with
+``epsilon_high``, ``delta`` and ``beta`` > 0 (k3, ``use_bias_correction_kl=False``). TRL's
+``bnpo`` divides by the micro-batch token count, so it equals ``"token"`` only with a single
+micro-batch.
 
 Computation is in float32 (or float64 for float64 inputs). Padded positions are replaced
 before any arithmetic, so garbage there (inf, NaN) never reaches the loss or the gradient.
@@ -36,7 +58,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from grpo_engine.losses.kl import kl_k3
+from grpo_engine.losses import _common as common
 from grpo_engine.types import LossOutput, MicroBatch
 
 __all__ = ["ClippedSurrogate"]
@@ -45,22 +67,22 @@ Aggregation = Literal["sequence", "token", "constant"]
 _AGGREGATIONS = ("sequence", "token", "constant")
 
 
-def _masked(values: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """[n, C] ``values`` in ``dtype`` with 0 where ``mask`` is False (no gradient there)."""
-    return torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
-
-
 @dataclass(frozen=True)
 class ClippedSurrogate:
-    """Clipped token surrogate with optional k3 KL and a choice of aggregation.
+    """Clipped token surrogate with optional KL, δ cap, entropy bonus and overlong filtering.
 
     Args:
         clip_eps_low: ε_low >= 0; the ratio is clipped below at 1 - ε_low.
         clip_eps_high: ε_high >= 0; clipped above at 1 + ε_high. None means ε_low.
-        kl_coef: β >= 0 on the per-token k3 KL to the reference policy; 0 disables it.
+        kl_coef: β >= 0 on the per-token KL to the reference policy; 0 disables it.
         aggregation: ``"sequence"`` (GRPO), ``"token"`` (DAPO) or ``"constant"`` (Dr. GRPO).
         max_completion_tokens: the constant length of ``"constant"`` aggregation (required
             there, ignored otherwise).
+        delta: INTELLECT-2's cap δ > 1 + ε_high on the ratio of the unclipped term; None is off.
+        kl_estimator: ``"k3"`` (GRPO), ``"k2"`` or ``"k1"``; used when ``kl_coef > 0``.
+        mask_truncated: drop completions with ``batch.is_truncated`` (DAPO overlong filtering);
+            pass the counts of :meth:`counts` so the step counts leave them out too.
+        entropy_coef: coefficient >= 0 of the entropy bonus (needs ``batch.entropy``).
 
     Example:
         >>> from grpo_engine.types import MicroBatch
@@ -78,15 +100,16 @@ class ClippedSurrogate:
     kl_coef: float = 0.0
     aggregation: Aggregation = "sequence"
     max_completion_tokens: int | None = None
+    delta: float | None = None
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    mask_truncated: bool = False
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.clip_eps_high is None:
             object.__setattr__(self, "clip_eps_high", self.clip_eps_low)
-        problems = []
-        for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
-            value = getattr(self, name)
-            if not value >= 0:  # also rejects NaN
-                problems.append(f"{name}={value!r} must be >= 0; pass a non-negative number")
+        problems = common.nonnegative(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
+                                 kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
         if self.aggregation not in _AGGREGATIONS:
             problems.append(
                 f"aggregation={self.aggregation!r} is not one of {_AGGREGATIONS}; pick one of them"
@@ -101,6 +124,12 @@ class ClippedSurrogate:
                 "aggregation='constant' divides by max_completion_tokens, which is None; "
                 "pass max_completion_tokens (the generation limit)"
             )
+        if self.delta is not None and not self.delta > 1 + self.clip_eps_high:
+            problems.append(
+                f"delta={self.delta!r} must be > 1 + clip_eps_high = {1 + self.clip_eps_high}; "
+                "pass a larger cap (INTELLECT-2 uses 4) or None"
+            )
+        problems.extend(common.check_kl_estimator(self.kl_estimator))
         if problems:
             raise ValueError("invalid ClippedSurrogate: " + "; ".join(problems))
 
@@ -110,10 +139,41 @@ class ClippedSurrogate:
         return self.kl_coef > 0
 
     @property
+    def requires_entropy(self) -> bool:
+        """True when ``entropy_coef > 0``: the trainer must supply ``batch.entropy``."""
+        return self.entropy_coef > 0
+
+    @property
     def needs_zero_advantage_rows(self) -> bool:
-        """False when ``kl_coef == 0``: a completion with advantage 0 then adds exactly 0 to the
-        loss, the gradient and every metric, so the trainer may skip its forward and backward."""
-        return self.kl_coef > 0
+        """False when ``kl_coef == 0`` and ``entropy_coef == 0``: a completion with advantage 0
+        then adds exactly 0 to the loss, the gradient and every metric, so the trainer may skip
+        its forward and backward."""
+        return self.kl_coef > 0 or self.entropy_coef > 0
+
+    def counts(self, completion_mask: Tensor, is_truncated: Tensor | None = None) -> tuple[int, int]:
+        """Step-global ``(num_valid_tokens, num_sequences)`` to pass to every call of the step.
+
+        Args:
+            completion_mask: [N, C] the completion mask of the whole step.
+            is_truncated: [N] True where the completion has no EOS (needed with
+                ``mask_truncated``).
+
+        Returns:
+            Every True mask entry and every row; with ``mask_truncated`` only those of rows
+            that are not truncated. ``(0, 0)`` when every row is truncated: the step has
+            nothing to train and the trainer skips it (as for any step with 0 valid tokens).
+
+        Example:
+            >>> mask = torch.tensor([[True, True], [True, False]])
+            >>> ClippedSurrogate(mask_truncated=True).counts(mask, torch.tensor([True, False]))
+            (1, 1)
+        """
+        if not self.mask_truncated:
+            return common.step_counts(completion_mask)
+        if is_truncated is None:
+            raise ValueError("ClippedSurrogate.counts: mask_truncated=True needs is_truncated [N]; "
+                             "pass batch.is_truncated")
+        return common.step_counts(completion_mask, ~is_truncated.to(torch.bool))
 
     def __call__(
         self,
@@ -128,104 +188,80 @@ class ClippedSurrogate:
         Args:
             logprobs: [n, C] log π_θ of the sampled completion tokens, with gradient.
             batch: the micro-batch; its ``completion_mask`` [n, C], ``advantages`` [n],
-                ``old_logprobs`` [n, C] or None, and ``ref_logprobs`` [n, C] (when
-                ``kl_coef > 0``) are used. ``old``/``ref`` are detached.
-            num_valid_tokens: True entries of the completion mask over the whole step (>= 1).
-            num_sequences: completions in the whole step (>= 1).
+                ``old_logprobs`` [n, C] or None, ``ref_logprobs`` [n, C] (when
+                ``kl_coef > 0``), ``is_truncated`` [n] (with ``mask_truncated``) and
+                ``entropy`` [n, C] (when ``entropy_coef > 0``) are used. ``old``/``ref`` are
+                detached; ``entropy`` keeps its gradient.
+            num_valid_tokens: valid tokens over the whole step (>= 1), from :meth:`counts`.
+            num_sequences: completions in the whole step (>= 1), from :meth:`counts`.
 
         Returns:
             ``LossOutput`` with the scalar loss and detached metrics, each a step-level share
             (sum over micro-batches): ``policy_loss`` (the surrogate part, same aggregation),
-            ``clip_fraction`` (valid tokens where the clipped term is the active minimum)
-            and, when ``kl_coef > 0``, ``kl`` (token mean of k3). Rows with advantage 0
-            contribute 0 to every metric when ``kl_coef == 0``, so a trainer that skips them
-            (see ``needs_zero_advantage_rows``) still reports exact step values.
+            ``clip_fraction`` (valid tokens whose surrogate gradient a clip cuts: the ε clip
+            is the active minimum, or the ratio exceeds δ with A != 0), ``kl`` (token mean of
+            the estimator, when ``kl_coef > 0``) and ``entropy`` (token mean, when
+            ``entropy_coef > 0``). With ``kl_coef == entropy_coef == 0`` rows with advantage 0
+            contribute 0 to every metric, so a trainer that skips them (see
+            ``needs_zero_advantage_rows``) still reports exact step values.
 
         Raises:
-            ValueError: for counts < 1, mismatched shapes, or missing ``ref_logprobs`` when
-                ``kl_coef > 0``.
+            ValueError: for counts < 1, mismatched shapes, or a missing ``ref_logprobs``,
+                ``is_truncated`` or ``entropy`` that the settings need.
         """
-        self._check(logprobs, batch, num_valid_tokens, num_sequences)
+        entropy = getattr(batch, "entropy", None)
+        self._check(logprobs, batch, entropy, num_valid_tokens, num_sequences)
         mask = batch.completion_mask.to(torch.bool)
-        dtype = torch.promote_types(logprobs.dtype, torch.float32)
-        logp = _masked(logprobs, mask, dtype)
-        if batch.old_logprobs is None:
-            old = logp.detach()
-        else:
-            old = _masked(batch.old_logprobs.detach(), mask, dtype)
-        adv = batch.advantages.detach().to(dtype)[:, None]  # [n, 1]
+        if self.mask_truncated:
+            mask = mask & ~batch.is_truncated.to(device=mask.device, dtype=torch.bool)[:, None]
+        logp, ratio, adv = common.ratio_inputs(logprobs, batch, mask)
 
-        ratio = torch.exp(logp - old)
         clipped_ratio = ratio.clamp(1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high)
-        unclipped_obj, clipped_obj = ratio * adv, clipped_ratio * adv
+        capped_ratio = ratio if self.delta is None else ratio.clamp(max=self.delta)
+        unclipped_obj, clipped_obj = capped_ratio * adv, clipped_ratio * adv
         policy_token = -torch.minimum(unclipped_obj, clipped_obj)  # [n, C]
+        is_clipped = clipped_obj < unclipped_obj
+        if self.delta is not None:
+            is_clipped = is_clipped | ((ratio > self.delta) & (adv != 0))
         token_loss = policy_token
         metrics: dict[str, Tensor] = {}
         if self.kl_coef > 0:
-            kl = kl_k3(logp, _masked(batch.ref_logprobs.detach(), mask, dtype))
+            kl = common.kl_tokens(self.kl_estimator, logp, batch.ref_logprobs, mask)
             token_loss = token_loss + self.kl_coef * kl
-            metrics["kl"] = self._token_mean(kl, mask, num_valid_tokens).detach()
+            metrics["kl"] = common.token_share(kl, mask, num_valid_tokens).detach()
 
         loss = self._aggregate(token_loss, mask, num_valid_tokens, num_sequences)
-        is_clipped = (clipped_obj < unclipped_obj) & mask
+        if self.entropy_coef > 0:
+            ent = common.masked(entropy, mask, logp.dtype)
+            loss = loss - self.entropy_coef * self._aggregate(ent, mask, num_valid_tokens, num_sequences)
+            metrics["entropy"] = common.token_share(ent, mask, num_valid_tokens).detach()
         policy_loss = self._aggregate(policy_token, mask, num_valid_tokens, num_sequences)
         metrics["policy_loss"] = policy_loss.detach()
-        metrics["clip_fraction"] = is_clipped.sum().to(dtype) / num_valid_tokens
+        metrics["clip_fraction"] = (is_clipped & mask).sum().to(logp.dtype) / num_valid_tokens
         return LossOutput(loss=loss, metrics=metrics)
 
-    def _check(
-        self, logprobs: Tensor, batch: MicroBatch, num_valid_tokens: int, num_sequences: int
-    ) -> None:
+    def _check(self, logprobs: Tensor, batch: MicroBatch, entropy: Tensor | None,
+               num_valid_tokens: int, num_sequences: int) -> None:
         """Raises ValueError naming every bad input of one call."""
-        problems = []
-        if num_valid_tokens < 1:
-            problems.append(
-                f"num_valid_tokens={num_valid_tokens} must be >= 1; pass the step-global count "
-                "of True completion-mask entries (skip steps without valid tokens)"
-            )
-        if num_sequences < 1:
-            problems.append(
-                f"num_sequences={num_sequences} must be >= 1; pass the step-global completion count"
-            )
-        shape = tuple(logprobs.shape)
-        if logprobs.dim() != 2 or tuple(batch.completion_mask.shape) != shape:
-            problems.append(
-                f"logprobs shape {shape} must be [n, C] and equal completion_mask shape "
-                f"{tuple(batch.completion_mask.shape)}; pass completion-token log-probs only"
-            )
-        elif tuple(batch.advantages.shape) != shape[:1]:
-            problems.append(
-                f"advantages shape {tuple(batch.advantages.shape)} must be [n]={shape[:1]}; "
-                "pass one advantage per completion"
-            )
-        for name in ("old_logprobs", "ref_logprobs"):
-            other = getattr(batch, name)
-            if other is not None and tuple(other.shape) != shape:
-                problems.append(
-                    f"{name} shape {tuple(other.shape)} must equal logprobs shape {shape}; "
-                    "pass values for the same completion tokens"
-                )
-        if self.kl_coef > 0 and batch.ref_logprobs is None:
-            problems.append(
-                f"kl_coef={self.kl_coef} needs batch.ref_logprobs, which is None; compute "
-                "reference log-probs or set kl_coef=0"
-            )
-        if problems:
-            raise ValueError("ClippedSurrogate: " + "; ".join(problems))
+        extra = []
+        if self.mask_truncated and batch.is_truncated is None:
+            extra.append("mask_truncated=True needs batch.is_truncated, which is None; "
+                         "pass the [n] truncation flags or set mask_truncated=False")
+        if self.entropy_coef > 0 and entropy is None:
+            extra.append(f"entropy_coef={self.entropy_coef} needs batch.entropy [n, C], which is "
+                         "missing; compute token entropies or set entropy_coef=0")
+        elif self.entropy_coef > 0 and tuple(entropy.shape) != tuple(logprobs.shape):
+            extra.append(f"entropy shape {tuple(entropy.shape)} must equal logprobs shape "
+                         f"{tuple(logprobs.shape)}; pass one entropy per completion token")
+        common.check_call("ClippedSurrogate", logprobs, batch, num_valid_tokens, num_sequences,
+                     kl_coef=self.kl_coef, extra=extra)
 
     def _aggregate(
         self, token_loss: Tensor, mask: Tensor, num_valid_tokens: int, num_sequences: int
     ) -> Tensor:
         """Reduces [n, C] per-token values (0 on padding) to the step-share scalar."""
-        token_loss = torch.where(mask, token_loss, torch.zeros_like(token_loss))
         if self.aggregation == "token":
-            return token_loss.sum() / num_valid_tokens
+            return common.token_share(token_loss, mask, num_valid_tokens)
         if self.aggregation == "constant":
-            return token_loss.sum() / (num_sequences * self.max_completion_tokens)
-        lengths = mask.sum(dim=1).clamp(min=1).to(token_loss.dtype)  # [n]; empty rows sum to 0
-        return (token_loss.sum(dim=1) / lengths).sum() / num_sequences
-
-    @staticmethod
-    def _token_mean(values: Tensor, mask: Tensor, num_valid_tokens: int) -> Tensor:
-        """Step-share of the token mean of [n, C] ``values`` over valid tokens."""
-        return torch.where(mask, values, torch.zeros_like(values)).sum() / num_valid_tokens
+            return common.token_share(token_loss, mask, num_sequences * self.max_completion_tokens)
+        return common.sequence_share(token_loss, mask, num_sequences)

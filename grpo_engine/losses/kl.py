@@ -15,8 +15,20 @@ The gradient column is for the estimator used as a differentiable loss term on o
 samples (the sampling distribution itself is not differentiated): only k2 gives the true
 reverse-KL gradient; k3's expected gradient is that of the forward KL(π_ref ‖ π_θ).
 
+Why the gradient column holds (x ~ π_θ, expectation of ∇ with the sampling held fixed):
+
+* k1: ∇k1 = ∇log π_θ(x), and E_x~π_θ[∇log π_θ(x)] = Σ_x ∇π_θ(x) = 0.
+* k2: ∇k2 = (log π_θ(x) - log π_ref(x)) ∇log π_θ(x), whose expectation is exactly
+  ∇ Σ_x π_θ(x) log(π_θ(x)/π_ref(x)) (the score-function form of the reverse-KL gradient).
+* k3: ∇k3 = (1 - ρ) ∇log π_θ(x); the "1" term vanishes in expectation and
+  -E_x~π_θ[ρ ∇log π_θ] = -Σ_x π_ref(x) ∇log π_θ(x) = ∇ KL(π_ref ‖ π_θ).
+
 GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300) adds β·k3 per token to the loss (not
-to the reward); :class:`grpo_engine.losses.ClippedSurrogate` does the same with ``kl_coef``.
+to the reward); :class:`grpo_engine.losses.ClippedSurrogate`, ``GSPO`` and ``CISPO`` do the same
+with ``kl_coef``, and pick another estimator by name with ``kl_estimator`` (see
+:func:`kl_estimator`). TRL (>= 1.x, ``use_bias_correction_kl=True``, its default) multiplies k3
+by the token ratio, which makes the gradient the unbiased reverse-KL one (DeepSeek-V3.2,
+arXiv 2512.02556); grpo_engine does not: use ``"k2"`` for the reverse-KL gradient.
 
 Values are computed in float32, or in the input dtype when it is wider (float64). No clamping
 is applied (verl clamps the log-ratio to ±20); callers mask padded positions before use.
@@ -24,10 +36,15 @@ is applied (verl clamps the log-ratio to ±20); callers mask padded positions be
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
 import torch
 from torch import Tensor
 
-__all__ = ["kl_k1", "kl_k2", "kl_k3"]
+__all__ = ["KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]
+
+KLEstimator = Callable[[Tensor, Tensor], Tensor]
 
 
 def _log_ratio(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -94,3 +111,32 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """
     log_ratio = _log_ratio(logprobs, ref_logprobs)
     return torch.expm1(log_ratio) - log_ratio
+
+
+KL_ESTIMATORS: Mapping[str, KLEstimator] = MappingProxyType({"k1": kl_k1, "k2": kl_k2, "k3": kl_k3})
+"""Estimator name -> function ``(logprobs [n, C], ref_logprobs [n, C]) -> [n, C]`` (read-only)."""
+
+
+def kl_estimator(name: str) -> KLEstimator:
+    """The per-token KL estimator called ``name``: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Args:
+        name: one of the keys of :data:`KL_ESTIMATORS`.
+
+    Returns:
+        ``fn(logprobs, ref_logprobs)`` giving [n, C] per-token estimates.
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+
+    Example:
+        >>> kl_estimator("k2")(torch.tensor([0.0]), torch.tensor([-2.0]))
+        tensor([2.])
+    """
+    try:
+        return KL_ESTIMATORS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"kl_estimator={name!r} is not one of {tuple(KL_ESTIMATORS)}; pick one of them "
+            "(k3 is GRPO's, k2 has the true reverse-KL gradient)"
+        ) from None

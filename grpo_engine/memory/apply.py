@@ -1,8 +1,8 @@
 """Applies a MemoryPlan to a transformers causal LM: dtype, LoRA, checkpointing, optimizer.
 
-Dropout is switched off everywhere in the policy (as TRL does for GRPO): the log-probs of a
-completion must not depend on a dropout draw, otherwise the importance ratio of an on-policy
-update would not be exactly 1.
+Dropout of the base model is switched off (as TRL does for GRPO): the log-probs of a completion
+must not depend on a dropout draw, otherwise the importance ratio of an on-policy update would not
+be exactly 1. LoRA's own ``dropout`` is the user's choice (0 by default, which keeps it exact).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0  # attention modules that call the dropout function themselves
     if plan.lora is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -54,7 +56,10 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
                 param.data = param.data.float()  # fp32 master weights for the adapters
                 assert "lora_" in name, name
     if plan.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -17,11 +17,11 @@ optimizer. Nothing in the step loop branches on it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field
 
-from grpo_engine.config import FrozenModel, check_rule
+from grpo_engine.config import FrozenModel
 
 __all__ = ["LoRA", "MemoryPlan"]
 
@@ -41,13 +41,8 @@ class LoRA(FrozenModel):
         "all-linear", description="Module names to adapt, or 'all-linear' (every linear layer but the lm_head)."
     )
 
-    @field_validator("*", mode="after")
-    @classmethod
-    def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
-        return check_rule(_LORA_RULES, value, info)
 
-
-_LORA_RULES = {
+LoRA.field_rules = {
     "r": (lambda v: v >= 1, "must be >= 1", "use a rank such as 8, 16 or 64"),
     "alpha": (lambda v: v > 0, "must be > 0", "use alpha = 2 * r as a start"),
     "dropout": (lambda v: 0 <= v < 1, "must be in [0, 1)", "use 0.0"),
@@ -77,13 +72,8 @@ class MemoryPlan(FrozenModel):
         1024, description="Tokens per lm_head/log-softmax chunk; bounds the logits memory to chunk x vocab."
     )
 
-    @field_validator("*", mode="after")
-    @classmethod
-    def _check_field(cls, value: Any, info: ValidationInfo) -> Any:
-        return check_rule(_PLAN_RULES, value, info)
 
-
-_PLAN_RULES = {
+MemoryPlan.field_rules = {
     "micro_batch_size": (lambda v: v >= 1, "must be >= 1", "use a positive number of completions, e.g. 8"),
     "logprob_chunk_size": (lambda v: v >= 1, "must be >= 1", "use e.g. 1024 tokens"),
 }

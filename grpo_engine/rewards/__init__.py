@@ -1,16 +1,19 @@
 """Rewards: subclass :class:`Reward` (one ``score`` method), combine with :class:`WeightedSum`.
 
-Built-in: :class:`MathAccuracy` (math-verify), :class:`ThinkAnswerFormat`, :class:`BoxedFormat`.
+Built-in: :class:`MathAccuracy` (math-verify), :class:`ThinkAnswerFormat`, :class:`BoxedFormat`,
+:class:`OverlongPenalty` (DAPO soft overlong punishment, on token lengths).
 """
 
 from grpo_engine.rewards.base import Reward, RewardError
 from grpo_engine.rewards.compose import WeightedSum
 from grpo_engine.rewards.format import BoxedFormat, ThinkAnswerFormat
+from grpo_engine.rewards.length import OverlongPenalty
 from grpo_engine.rewards.math import MathAccuracy, answers_equal, extract_answer
 
 __all__ = [
     "BoxedFormat",
     "MathAccuracy",
+    "OverlongPenalty",
     "Reward",
     "RewardError",
     "ThinkAnswerFormat",

@@ -1,10 +1,29 @@
-"""Weighted sum of rewards: ``total[b, g] = sum_k weight_k * score_k[b * G + g]``.
+"""Weighted sum of rewards: ``total[b, g] = sum_k weight_k * s_k[b, g]``.
 
-Each reward is computed once on the N = B * G completions of a :class:`RolloutBatch`
-(``batch.row_prompts``, ``batch.texts``); the unweighted [B, G] scores of each go into
-``RewardOutput.breakdown`` under the reward's ``name`` for logging, and the weighted sum is
-``RewardOutput.total`` [B, G], from which advantages are computed. A reward with weight 0 is
-logged but does not train. No normalisation is applied here (that is the advantage's job).
+Each reward is computed once on the N = B * G completions of a :class:`RolloutBatch`: through
+``reward.score_rollout(batch) -> [N]`` when the reward defines it (rewards that need the batch's
+tokens, such as :class:`~grpo_engine.rewards.OverlongPenalty`, which scores token lengths), else
+through ``reward(batch.row_prompts, batch.texts) -> [N]``. Its unweighted, unnormalised [B, G]
+scores always go into ``RewardOutput.breakdown`` under the reward's ``name`` for logging.
+
+``normalize`` says what s_k is:
+
+* ``"after_sum"`` (default): s_k is the raw score, so ``total`` is the weighted sum of raw
+  scores and the advantage function alone normalises it (GRPO as usually run with several
+  rewards; TRL ``multi_objective_aggregation="sum_then_normalize"``).
+* ``"each"``: s_k is the score group-z-scored on its own, with the rule of
+  ``GroupNormalized(std_scope="group")``: s_k[b, g] = (x[b, g] - mean_g x[b]) / (std_g x[b] + 1e-6),
+  unbiased std over the G completions of prompt b, and exactly 0 in a group where that reward is
+  the same for all G completions. A reward with a large scale or a large spread then cannot
+  drown the others, and two completions that differ in different rewards keep different totals
+  (the collapse GDPO, Liu et al. 2026, arXiv 2601.05242, describes). GDPO and TRL
+  ``"normalize_then_sum"`` z-score each reward the same way (TRL with eps 1e-4), then whiten the
+  sum over the batch ((t - mean) / (std + 1e-4)):
+  pair ``normalize="each"`` with ``ReinforcePlusPlusBaseline()`` for that (its group-mean step
+  is a no-op here, since every s_k already has group mean 0), or with ``MeanBaseline()`` to keep
+  the sum as it is. The default ``GroupNormalized()`` would z-score the sum once more per group.
+
+A reward with weight 0 is logged but does not train.
 """
 
 from __future__ import annotations
@@ -12,15 +31,21 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
+from grpo_engine.advantages import GroupNormalized
 from grpo_engine.protocols import RewardFn
 from grpo_engine.rewards.base import RewardError
 from grpo_engine.types import RewardOutput, RolloutBatch
 
 __all__ = ["WeightedSum"]
+
+Normalize = Literal["after_sum", "each"]
+
+_GROUP_Z = GroupNormalized(std_scope="group")  # the per-reward rule of normalize="each"
 
 
 class WeightedSum:
@@ -28,26 +53,37 @@ class WeightedSum:
 
     Args:
         rewards: one or more ``RewardFn`` (e.g. :class:`~grpo_engine.rewards.Reward`
-            subclasses), each with a unique ``name`` and a finite ``weight``.
+            subclasses), each with a unique ``name`` and a finite ``weight``. A reward may
+            define ``score_rollout(batch) -> Tensor [N]`` instead of (or besides) being called on
+            texts; that method is then the one used.
+        normalize: ``"after_sum"`` sums the raw scores; ``"each"`` group-z-scores each reward's
+            scores before the weighted sum (see the module docstring).
 
     Example:
-        >>> from grpo_engine.rewards import MathAccuracy, ThinkAnswerFormat
-        >>> combo = WeightedSum([MathAccuracy(), ThinkAnswerFormat(weight=0.1)])
+        >>> from grpo_engine.rewards import MathAccuracy, OverlongPenalty, ThinkAnswerFormat
+        >>> combo = WeightedSum([MathAccuracy(), ThinkAnswerFormat(weight=0.1),
+        ...                      OverlongPenalty(max_completion_tokens=1024, cache_tokens=256)])
         >>> combo.names
-        ('math_accuracy', 'think_answer_format')
+        ('math_accuracy', 'think_answer_format', 'overlong_penalty')
     """
 
-    def __init__(self, rewards: Sequence[RewardFn]) -> None:
+    def __init__(self, rewards: Sequence[RewardFn], *, normalize: Normalize = "after_sum") -> None:
         rewards = tuple(rewards)
         if not rewards:
             raise ValueError(
                 "WeightedSum needs at least one reward; pass e.g. WeightedSum([MathAccuracy()])"
             )
+        if normalize not in get_args(Normalize):
+            raise ValueError(
+                f"WeightedSum: normalize={normalize!r} must be 'after_sum' (weighted sum of raw scores) or "
+                "'each' (group-z-score each reward, then sum); for example WeightedSum(rewards, normalize='each')"
+            )
         seen: dict[str, RewardFn] = {}
         for reward in rewards:
             name = getattr(reward, "name", None)
             weight = getattr(reward, "weight", None)
-            if not isinstance(name, str) or not name or not callable(reward):
+            scorable = callable(reward) or callable(getattr(reward, "score_rollout", None))
+            if not isinstance(name, str) or not name or not scorable:
                 raise TypeError(
                     f"WeightedSum: {reward!r} is not a RewardFn (a callable with a non-empty str "
                     "`name` and a float `weight`); subclass grpo_engine.rewards.Reward"
@@ -69,6 +105,7 @@ class WeightedSum:
                 )
             seen[name] = reward
         self.rewards: tuple[RewardFn, ...] = rewards
+        self.normalize: Normalize = normalize
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -76,7 +113,8 @@ class WeightedSum:
         return tuple(r.name for r in self.rewards)
 
     def __repr__(self) -> str:
-        return f"WeightedSum({list(self.rewards)!r})"
+        extra = "" if self.normalize == "after_sum" else f", normalize={self.normalize!r}"
+        return f"WeightedSum({list(self.rewards)!r}{extra})"
 
     def __call__(self, batch: RolloutBatch) -> RewardOutput:
         """Scores a batch.
@@ -85,21 +123,33 @@ class WeightedSum:
             batch: N = B * G completions with their prompts.
 
         Returns:
-            ``total`` [B, G] float32, the weighted sum; ``breakdown`` name -> [B, G] float32
-            unweighted scores.
+            ``total`` [B, G] float32, the weighted sum (of raw or of group-z-scored scores, per
+            ``normalize``); ``breakdown`` name -> [B, G] float32 raw unweighted scores.
 
         Raises:
             RewardError: a reward returned something other than a finite floating [N] tensor
                 (or a ``Reward`` failed on a sample).
+            ValueError: ``normalize="each"`` with ``batch.group_size`` < 2.
         """
         b, g = batch.num_prompts, batch.group_size
-        prompts, texts = batch.row_prompts, batch.texts
+        if self.normalize == "each" and g < 2:
+            raise ValueError(
+                f"WeightedSum(normalize='each'): group_size={g} makes every group-z-scored reward 0; "
+                "use group_size >= 2, or normalize='after_sum'"
+            )
         total = torch.zeros(b, g, dtype=torch.float32)
         breakdown: dict[str, Tensor] = {}
         for reward in self.rewards:
-            scores = self._checked(reward, reward(prompts, texts), b * g)
+            score_rollout = getattr(reward, "score_rollout", None)
+            if callable(score_rollout):
+                raw = score_rollout(batch)
+            else:
+                raw = reward(batch.row_prompts, batch.texts)
+            scores = self._checked(reward, raw, b * g)
             scores = scores.to(device=total.device, dtype=torch.float32).view(b, g)
             breakdown[reward.name] = scores
+            if self.normalize == "each":
+                scores = _GROUP_Z(scores)
             total = total + float(reward.weight) * scores
         return RewardOutput(total=total, breakdown=breakdown)
 

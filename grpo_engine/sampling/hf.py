@@ -110,7 +110,10 @@ class HFSampler:
     def encode_prompts(self, prompts: Sequence[Prompt]) -> tuple[Tensor, Tensor]:
         """Left-padded ids [B, P] and mask [B, P] of the rendered prompts."""
         texts = [self.template.render(p, self.tokenizer) for p in prompts]
-        rows = [self.tokenizer(t, add_special_tokens=False)["input_ids"][-self.max_prompt_tokens:] for t in texts]
+        bos = self.tokenizer.bos_token
+        # a chat template that already wrote the BOS token gets no second one
+        rows = [self.tokenizer(t, add_special_tokens=not (bos and t.startswith(bos)))["input_ids"]
+                [-self.max_prompt_tokens:] for t in texts]
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.bool)
