@@ -1,4 +1,4 @@
-"""The ``grpo-engine`` command: ``train CONFIG.yaml``, ``demo``, ``example-config``.
+"""The ``grpo-engine`` command: ``train CONFIG.yaml``, ``eval``, ``demo``, ``example-config``.
 
 The core never imports this module.
 """
@@ -6,10 +6,12 @@ The core never imports this module.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -101,6 +103,100 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_prompts(args: argparse.Namespace) -> list:
+    from grpo_engine.data import DataError, load_gsm8k, load_jsonl_prompts, load_math500
+
+    if args.dataset != "jsonl" and (args.question_field or args.answer_field):
+        raise DataError(f"--question-field/--answer-field apply to --dataset jsonl only; --dataset {args.dataset} "
+                        "knows its fields")
+    if args.dataset == "gsm8k":  # no --data: the hub's openai/gsm8k (needs the network)
+        return load_gsm8k(args.data, split=args.split, limit=args.limit)
+    if args.data is None:
+        raise DataError(f"--dataset {args.dataset} needs --data PATH (a local JSONL file, e.g. "
+                        "../shared/data/math500/test.jsonl)")
+    if args.dataset == "math500":
+        return load_math500(args.data, limit=args.limit)
+    return load_jsonl_prompts(args.data, question_field=args.question_field or "question",
+                              answer_field=args.answer_field or "answer", limit=args.limit)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from grpo_engine.data import DataError, default_template
+    from grpo_engine.eval import evaluate
+    from grpo_engine.models import load_model
+    from grpo_engine.rewards import MathAccuracy
+
+    try:
+        prompts = _eval_prompts(args)
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    except (DataError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.adapter)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    template = default_template(tokenizer, system=args.template_system, instruction=args.template_instruction)
+    report = evaluate(model, tokenizer, prompts, MathAccuracy(), template=template, k=args.k,
+                      temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                      seed=args.seed, greedy=not args.no_greedy, progress=not args.no_progress_bar)
+    run = {"model": args.model, "adapter": args.adapter, "dataset": args.dataset, "data": args.data,
+           "split": args.split if args.dataset == "gsm8k" and args.data is None else None, "limit": args.limit,
+           "dtype": args.dtype, "device": device}
+    report = dataclasses.replace(report, settings={**run, **report.settings})
+    report.to_json(args.output)
+    print(report.table())
+    print(f"report written to {args.output}")
+    return 0
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval", help="pass@1 / pass@k / maj@k of a model on GSM8K, MATH-500 or a JSONL file",
+        description="Greedy pass@1 and, with --k > 1, k samples per prompt (avg@k = sampled pass@1, unbiased "
+        "pass@k, maj@k), scored with MathAccuracy (math-verify). Writes a JSON report and prints a table.")
+    p.add_argument("--model", required=True, help="local folder in transformers layout, or a hub id")
+    p.add_argument("--adapter", help="a peft adapter folder (e.g. runs/x/final from LoRA training) to apply")
+    p.add_argument("--dataset", required=True, choices=["gsm8k", "math500", "jsonl"], help="the data format")
+    p.add_argument("--data", help="the JSONL file; without it, --dataset gsm8k downloads openai/gsm8k")
+    p.add_argument("--split", default="test", help="hub split when --data is not given (default %(default)s)")
+    p.add_argument("--question-field", help="--dataset jsonl: the question field (default question)")
+    p.add_argument("--answer-field", help="--dataset jsonl: the reference-answer field (default answer)")
+    p.add_argument("--limit", type=_positive(int), help="evaluate only the first N records")
+    p.add_argument("--k", type=_positive(int), default=1, help="samples per prompt; > 1 adds avg@k, pass@k, maj@k "
+                   "(default %(default)s: greedy only)")
+    p.add_argument("--no-greedy", action="store_true", help="skip greedy decoding (sampled metrics only)")
+    p.add_argument("--temperature", type=_positive(float), default=1.0,
+                   help="sampling temperature (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=_positive(int), default=256,
+                   help="generation limit (default %(default)s)")
+    p.add_argument("--batch-size", type=_positive(int), default=32,
+                   help="completions per generate call (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    p.add_argument("--template-instruction", default="", help="text appended to each question, e.g. "
+                   "' Put the final answer in \\boxed{}.' (default none)")
+    p.add_argument("--template-system", help="a system message (default none)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype (default %(default)s)")
+    p.add_argument("--device", help="torch device (default cuda when available, else cpu)")
+    p.add_argument("--no-progress-bar", action="store_true", help="no progress bar")
+    p.add_argument("--output", required=True, help="path of the JSON report (written atomically)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``grpo-engine``."""
     parser = argparse.ArgumentParser(
@@ -111,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train from a YAML run file", description=_train_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", help="path to the YAML run file")
+    _add_eval_parser(sub)
     from grpo_engine.demo import DemoSettings
 
     demo = sub.add_parser("demo", help="train SmolLM2-135M-Instruct on arithmetic on this CPU (minutes)",
@@ -130,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args.config)
+    if args.command == "eval":
+        return _eval(args)
     if args.command == "demo":
         return _demo(args)
     print(EXAMPLE, end="")

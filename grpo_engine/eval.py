@@ -1,23 +1,155 @@
-"""Held-out evaluation: greedy pass@1 of a policy on a prompt set, scored by a reward.
+"""Held-out evaluation: pass@1 (greedy and sampled), pass@k and maj@k of a policy on a prompt set.
 
-A completion counts as correct when the reward gives it at least ``threshold`` (1.0 for
-``MathAccuracy``). Prompts are rendered with the same template the sampler uses.
+What is computed, for n prompts (see ``docs/evaluation.md``):
+
+- ``pass@1`` (greedy): the fraction of prompts whose greedy completion is correct.
+- ``avg@k`` (sampled pass@1): k completions per prompt at ``temperature``; the mean over prompts
+  of c/k, where c is the number of correct samples of that prompt.
+- ``pass@k``: the mean over prompts of the unbiased estimator 1 - C(n-c, k) / C(n, k) of Chen et
+  al. (2021, "Evaluating Large Language Models Trained on Code", arXiv 2107.03374), computed as a
+  product (:func:`pass_at_k`). Here exactly k samples are drawn (n = k), so it is the fraction of
+  prompts with at least one correct sample.
+- ``maj@k``: the fraction of prompts whose majority answer is correct. Each sample's final answer
+  is extracted as ``MathAccuracy`` does (the last ``<answer>`` tag, else the last ``\\boxed{}``,
+  else the last number); answers are clustered with the rewards' equivalence (math-verify, via
+  ``answers_equal``) by :func:`majority_vote`; the majority answer is correct when the sample it
+  was taken from (the cluster's first member) was scored correct by the reward.
+
+A completion is correct when the reward gives it at least ``threshold`` (1.0 for
+``MathAccuracy``). Prompts are rendered with the same template the sampler uses. Sampling is
+seeded inside a forked RNG, so an evaluation never changes the caller's random state; samples
+are reproducible for the same seed, ``batch_size`` and hardware.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import contextlib
+import json
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import nn
 
-from grpo_engine.data.templates import PromptTemplate
+from grpo_engine.data.templates import PromptTemplate, default_template
 from grpo_engine.protocols import RewardFn
+from grpo_engine.rewards.math import _answer_span, answers_equal, last_number
 from grpo_engine.sampling.hf import HFSampler, completion_mask_from_ids
 from grpo_engine.types import Prompt
 
-__all__ = ["EvalResult", "greedy_accuracy"]
+__all__ = ["EvalItem", "EvalReport", "EvalResult", "evaluate", "final_answer", "greedy_accuracy",
+           "majority_vote", "pass_at_k"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt from n samples of which c are correct (Chen et al. 2021).
+
+    ``1 - C(n-c, k) / C(n, k)``, computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, which never
+    forms the (huge) binomial coefficients.
+
+    Args:
+        n: samples drawn for the prompt (>= 1).
+        c: correct samples among them (0 <= c <= n).
+        k: the k of pass@k (1 <= k <= n).
+
+    Returns:
+        The probability that at least one of k samples drawn without replacement is correct.
+
+    Raises:
+        ValueError: a count is not an int, or the rule ``0 <= c <= n`` and ``1 <= k <= n`` fails.
+
+    Example:
+        >>> pass_at_k(5, 2, 2)  # 1 - C(3, 2) / C(5, 2) = 1 - 3/10
+        0.7
+        >>> pass_at_k(5, 0, 2), pass_at_k(5, 5, 2)
+        (0.0, 1.0)
+    """
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"pass_at_k: {name}={value!r} must be an int (a count of samples)")
+    if n < 1:
+        raise ValueError(f"pass_at_k: n={n} must be >= 1; draw at least one sample per prompt")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: c={c} must be in [0, n={n}]; c counts the correct ones among the n samples")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: k={k} must be in [1, n={n}]; the estimator needs at least k samples, "
+                         f"so draw n >= {k} samples or lower k")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def _clusters(answers: Sequence[str | None], equal: Callable[[str, str], bool]) -> list[list[int]]:
+    """Indices of the non-None answers, grouped: an answer joins the first cluster whose first
+    member is equal to it (identical strings always match), else starts a new cluster."""
+    clusters: list[list[int]] = []
+    for i, answer in enumerate(answers):
+        if answer is None:
+            continue
+        for cluster in clusters:
+            head = answers[cluster[0]]
+            if head == answer or equal(head, answer):
+                cluster.append(i)
+                break
+        else:
+            clusters.append([i])
+    return clusters
+
+
+def _winner(clusters: list[list[int]]) -> list[int] | None:
+    # max() keeps the first of equal counts, and clusters are in order of first occurrence
+    return max(clusters, key=len) if clusters else None
+
+
+def majority_vote(
+    answers: Sequence[str | None], equal: Callable[[str, str], bool] = answers_equal
+) -> tuple[str | None, int]:
+    """The most frequent answer, with answers clustered by ``equal``.
+
+    Rules: None (no answer) never votes; an answer joins the first cluster whose first member
+    it equals (``equal(first, answer)``, or the same string); the largest cluster wins and a tie
+    goes to the cluster whose first member came first. The representative is that first member.
+
+    Args:
+        answers: extracted final answers, None where a completion has none.
+        equal: the equivalence; by default math-verify's, as ``MathAccuracy`` uses.
+
+    Returns:
+        ``(representative, count)``, or ``(None, 0)`` when no answer was given.
+
+    Example:
+        >>> majority_vote(["1/2", None, "0.5", "3", r"\\frac{1}{2}", "3"])
+        ('1/2', 3)
+        >>> majority_vote([None, None])
+        (None, 0)
+    """
+    winner = _winner(_clusters(answers, equal))
+    return (answers[winner[0]], len(winner)) if winner else (None, 0)
+
+
+def final_answer(completion: str) -> str | None:
+    """A completion's final answer by ``MathAccuracy``'s rule, or None.
+
+    The content of the last ``<answer>`` tag, else of the last ``\\boxed{}``, else the last
+    number; a tag or box that is present but blank means no answer.
+
+    Example:
+        >>> final_answer("so it is 12, or <answer> 13 </answer>"), final_answer("it is 7 or 8")
+        ('13', '8')
+        >>> final_answer("<answer> </answer> 12") is None
+        True
+    """
+    span = _answer_span(completion)
+    if span is None:
+        span = last_number(completion)
+    return span or None
 
 
 @dataclass(frozen=True)
@@ -35,7 +167,147 @@ class EvalResult:
     scores: tuple[float, ...]
 
 
+@dataclass(frozen=True)
+class EvalItem:
+    """What one prompt got. Greedy fields are None without greedy decoding; sampled ones empty
+    without sampling."""
+
+    question: str
+    target: str | None
+    greedy_completion: str | None = None
+    greedy_answer: str | None = None
+    greedy_score: float | None = None
+    greedy_correct: bool | None = None
+    sampled_completions: tuple[str, ...] = ()
+    sampled_answers: tuple[str | None, ...] = ()
+    sampled_scores: tuple[float, ...] = ()
+    sampled_correct: tuple[bool, ...] = ()
+    majority_answer: str | None = None
+    majority_count: int = 0
+    majority_correct: bool | None = None
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """Aggregates, per-prompt records and the exact settings of one evaluation.
+
+    Attributes:
+        num_prompts: n, the prompts evaluated.
+        k: samples per prompt (1 and no sampling when only greedy decoding ran).
+        greedy_pass_at_1: fraction of greedy completions correct, or None.
+        sampled_pass_at_1: avg@k, the mean over prompts of c/k, or None without sampling.
+        pass_at_k: mean unbiased pass@k (n = k samples), or None unless k > 1.
+        maj_at_k: fraction of prompts whose majority answer is correct, or None unless k > 1.
+        items: one ``EvalItem`` per prompt, in order.
+        settings: template, temperature, max_new_tokens, k, seed, ... (JSON values).
+        seconds: wall-clock time of the evaluation.
+    """
+
+    num_prompts: int
+    k: int
+    greedy_pass_at_1: float | None
+    sampled_pass_at_1: float | None
+    pass_at_k: float | None
+    maj_at_k: float | None
+    items: tuple[EvalItem, ...]
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The aggregates under their usual names: pass@1 (greedy), avg@k, pass@k, maj@k."""
+        named = (("pass@1", self.greedy_pass_at_1), (f"avg@{self.k}", self.sampled_pass_at_1),
+                 (f"pass@{self.k}", self.pass_at_k), (f"maj@{self.k}", self.maj_at_k))
+        return {name: value for name, value in named if value is not None}
+
+    def table(self) -> str:
+        """A short console table of the aggregates, with the size of one prompt in points."""
+        n, k, s = self.num_prompts, self.k, self.settings
+        rows = [("pass@1", self.greedy_pass_at_1, n, "greedy"),
+                (f"avg@{k}", self.sampled_pass_at_1, n * k, f"pass@1 sampled, mean of {k}"),
+                (f"pass@{k}", self.pass_at_k, n, "unbiased estimator"),
+                (f"maj@{k}", self.maj_at_k, n, "majority answer")]
+        decoding = "greedy" if self.sampled_pass_at_1 is None else f"temperature={s.get('temperature')}"
+        lines = [f"eval: {n} prompts, k={k}, {decoding}, max_new_tokens={s.get('max_new_tokens')}, "
+                 f"seed={s.get('seed')}",
+                 f"{'metric':<9} {'value':>7} {'count':>11}"]
+        for name, value, total, note in rows:
+            if value is not None:
+                count = f"{round(value * total)}/{total}"
+                lines.append(f"{name:<9} {value:>7.4f} {count:>11}  {note}")
+        lines.append(f"one prompt = {100 / n:.2f} points; {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: the aggregates, ``metrics``, ``settings`` and ``items``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["items"] = [asdict(item) for item in self.items]
+        out["settings"] = dict(self.settings)
+        out["metrics"] = self.metrics
+        return out
+
+    def to_json(self, path: str | Path) -> Path:
+        """Writes the report as JSON atomically (a temporary sibling file, then ``os.replace``)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EvalReport:
+        """Rebuilds a report from ``to_dict`` output (``metrics`` is derived and ignored)."""
+        names = {f.name for f in fields(cls)} - {"items"}
+        items = tuple(EvalItem(**{key: tuple(v) if isinstance(v, list) else v for key, v in item.items()})
+                      for item in data["items"])
+        return cls(items=items, **{key: data[key] for key in names if key in data})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> EvalReport:
+        """Reads a report written by ``to_json``."""
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Seeds the CPU RNG (and the model's GPU) for the block and restores them afterwards."""
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        for index in cuda:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
 @torch.no_grad()
+def _greedy_completions(model: nn.Module, encoder: HFSampler, prompts: Sequence[Prompt],
+                        max_new_tokens: int) -> list[str]:
+    """Greedy completion texts (up to the first EOS) of the prompts, in one generate call."""
+    device = next(model.parameters()).device
+    ids, mask = encoder.encode_prompts(prompts)
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.long().to(device), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=encoder.eos_ids,
+                             pad_token_id=encoder.pad_id, temperature=None, top_p=None, top_k=None)
+    finally:
+        model.train(was_training)
+    completion = out[:, ids.shape[1]:]
+    keep, _ = completion_mask_from_ids(completion, encoder.eos_ids)
+    return encoder.tokenizer.batch_decode([row[m].tolist() for row, m in zip(completion, keep)],
+                                          skip_special_tokens=True)
+
+
 def greedy_accuracy(
     model: nn.Module,
     tokenizer,
@@ -47,7 +319,7 @@ def greedy_accuracy(
     batch_size: int = 32,
     threshold: float = 1.0,
 ) -> EvalResult:
-    """Greedy-decodes each prompt once and scores it.
+    """Greedy-decodes each prompt once and scores it (the greedy part of :func:`evaluate`).
 
     Args:
         model: the policy (LoRA-wrapped models work).
@@ -65,22 +337,131 @@ def greedy_accuracy(
     if not prompts:
         raise ValueError("greedy_accuracy got no prompts; pass the held-out prompt list")
     encoder = HFSampler(model, tokenizer, template=template, max_prompt_tokens=10**9)
-    was_training = model.training
-    model.eval()
     texts: list[str] = []
-    device = next(model.parameters()).device
-    try:
-        for start in range(0, len(prompts), batch_size):
-            ids, mask = encoder.encode_prompts(prompts[start:start + batch_size])
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.long().to(device), do_sample=False,
-                                 max_new_tokens=max_new_tokens, eos_token_id=encoder.eos_ids,
-                                 pad_token_id=encoder.pad_id, temperature=None, top_p=None, top_k=None)
-            completion = out[:, ids.shape[1]:]
-            keep, _ = completion_mask_from_ids(completion, encoder.eos_ids)
-            texts += tokenizer.batch_decode([row[m].tolist() for row, m in zip(completion, keep)],
-                                            skip_special_tokens=True)
-    finally:
-        model.train(was_training)
+    for start in range(0, len(prompts), batch_size):
+        texts += _greedy_completions(model, encoder, prompts[start:start + batch_size], max_new_tokens)
     scores = reward(list(prompts), texts).tolist()
     correct = sum(s >= threshold for s in scores)
     return EvalResult(accuracy=correct / len(prompts), completions=tuple(texts), scores=tuple(scores))
+
+
+def evaluate(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    reward: RewardFn,
+    *,
+    template: PromptTemplate | None = None,
+    k: int = 1,
+    temperature: float = 1.0,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    seed: int = 0,
+    greedy: bool = True,
+    threshold: float = 1.0,
+    progress: bool = True,
+) -> EvalReport:
+    """Greedy pass@1 and, with k samples per prompt, avg@k, pass@k and maj@k (module docstring).
+
+    Args:
+        model: the policy (LoRA-wrapped models work); its train/eval mode is restored.
+        tokenizer: its tokenizer.
+        prompts: the held-out prompts, each with its ``target``.
+        reward: decides correctness of a completion (e.g. ``MathAccuracy()``).
+        template: the prompt template (default: the chat template when the tokenizer has one).
+        k: samples per prompt; sampling runs when k > 1 or ``greedy`` is False.
+        temperature: sampling temperature (top-p and top-k off).
+        max_new_tokens: generation limit, greedy and sampled.
+        batch_size: completions per generate call (greedy: prompts; sampled: ``batch_size // k``
+            prompts, at least one, times k).
+        seed: seeds the sampling (in a forked RNG; the caller's random state is untouched).
+        greedy: also decode greedily (pass@1).
+        threshold: a score at or above this is correct.
+        progress: show a tqdm bar counting completions.
+
+    Returns:
+        An ``EvalReport``; ``report.metrics`` has ``pass@1`` and, when sampled, ``avg@k``
+        (and ``pass@k``, ``maj@k`` when k > 1).
+
+    Example:
+        >>> # report = evaluate(model, tokenizer, load_gsm8k(path, limit=50), MathAccuracy(), k=4)
+        >>> # print(report.table()); report.to_json("gsm8k.json")
+    """
+    if not prompts:
+        raise ValueError("evaluate() got no prompts; pass the held-out prompt list")
+    for name, value in (("k", k), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"evaluate(): {name}={value!r} must be an int >= 1")
+    sample = k > 1 or not greedy
+    if sample and not temperature > 0:
+        raise ValueError(f"evaluate(): temperature={temperature!r} must be > 0 to sample; "
+                         "use greedy=True with k=1 for deterministic decoding")
+    start_time = time.perf_counter()
+    prompts = list(prompts)
+    template = template if template is not None else default_template(tokenizer)
+    sampler = HFSampler(model, tokenizer, template=template, max_prompt_tokens=10**9,
+                        max_completion_tokens=max_new_tokens, temperature=temperature, return_logprobs=False)
+    total = len(prompts) * (int(greedy) + (k if sample else 0))
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="eval", unit="completion", disable=not progress, dynamic_ncols=True)
+    greedy_texts: list[str] = []
+    greedy_scores: list[float] = []
+    sampled_texts: list[str] = []
+    sampled_scores: list[float] = []
+    try:
+        if greedy:
+            for i in range(0, len(prompts), batch_size):
+                chunk = prompts[i:i + batch_size]
+                texts = _greedy_completions(model, sampler, chunk, max_new_tokens)
+                greedy_texts += texts
+                greedy_scores += reward(chunk, texts).tolist()
+                bar.update(len(chunk))
+        if sample:
+            per_call = max(1, batch_size // k)
+            with _seeded(seed, next(model.parameters()).device):
+                for i in range(0, len(prompts), per_call):
+                    chunk = prompts[i:i + per_call]
+                    texts = list(sampler.sample(chunk, group_size=k).texts)
+                    sampled_texts += texts
+                    sampled_scores += reward([p for p in chunk for _ in range(k)], texts).tolist()
+                    bar.update(len(texts))
+    finally:
+        bar.close()
+
+    items = []
+    for i, prompt in enumerate(prompts):
+        item: dict[str, Any] = {"question": prompt.question, "target": prompt.target}
+        if greedy:
+            score = float(greedy_scores[i])
+            item.update(greedy_completion=greedy_texts[i], greedy_answer=final_answer(greedy_texts[i]),
+                        greedy_score=score, greedy_correct=score >= threshold)
+        if sample:
+            texts, scores = sampled_texts[i * k:(i + 1) * k], [float(s) for s in sampled_scores[i * k:(i + 1) * k]]
+            answers = [final_answer(t) for t in texts]
+            correct = [s >= threshold for s in scores]
+            winner = _winner(_clusters(answers, answers_equal))
+            item.update(sampled_completions=tuple(texts), sampled_answers=tuple(answers),
+                        sampled_scores=tuple(scores), sampled_correct=tuple(correct),
+                        majority_answer=answers[winner[0]] if winner else None,
+                        majority_count=len(winner) if winner else 0,
+                        majority_correct=correct[winner[0]] if winner else False)
+        items.append(EvalItem(**item))
+
+    n = len(items)
+    mean = lambda values: sum(values) / n
+    multi = sample and k > 1
+    settings = {
+        "template": repr(template), "example_prompt": template.render(prompts[0], tokenizer),
+        "reward": getattr(reward, "name", type(reward).__name__), "threshold": threshold,
+        "greedy": greedy, "k": k, "temperature": temperature if sample else None, "top_p": 1.0, "top_k": 0,
+        "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed, "num_prompts": n,
+    }
+    return EvalReport(
+        num_prompts=n, k=k,
+        greedy_pass_at_1=mean([it.greedy_correct for it in items]) if greedy else None,
+        sampled_pass_at_1=mean([sum(it.sampled_correct) / k for it in items]) if sample else None,
+        pass_at_k=mean([pass_at_k(k, sum(it.sampled_correct), k) for it in items]) if multi else None,
+        maj_at_k=mean([bool(it.majority_correct) for it in items]) if multi else None,
+        items=tuple(items), settings=settings, seconds=time.perf_counter() - start_time,
+    )

@@ -5,7 +5,7 @@
     3. per-group uncertainty (optional) and advantages   (EntropyEstimator, AdvantageFn)
     4. old / reference log-probs without gradient, only when needed (mu > 1, KL > 0)
     5. micro-batched loss and backward, normalised by step-global counts (GRPOLoss)
-    6. optimizer step, metrics, checkpoint
+    6. optimizer step, metrics (and every ``eval_every_steps`` greedy pass@1 on eval_prompts), checkpoint
 
 No algorithm math lives here: the trainer moves tensors between components, reduces metrics
 and logs them.
@@ -29,6 +29,7 @@ from grpo_engine.checkpoint import save_pretrained_atomic
 from grpo_engine.config import GRPOConfig
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.data.templates import PromptTemplate
+from grpo_engine.eval import evaluate
 from grpo_engine.logging import MetricsLogger
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.losses import ClippedSurrogate
@@ -57,7 +58,12 @@ class GRPOTrainer:
         advantage: defaults to ``GroupNormalized()`` (group z-score).
         loss: defaults to ``ClippedSurrogate()`` (PPO clip 0.2, per-sequence mean, no KL).
         entropy: optional per-group uncertainty passed to the advantage function.
-        template: renders prompts for the default sampler (chat template when the tokenizer has one).
+        template: renders prompts for the default sampler and the evaluation (chat template when the
+            tokenizer has one).
+        eval_prompts: held-out prompts; every ``config.eval_every_steps`` steps their greedy pass@1
+            (``grpo_engine.eval.evaluate``) is added to that step's metrics as ``eval/pass@1``.
+        eval_reward: decides correctness in that evaluation; defaults to the first of ``rewards``
+            (put the correctness reward, e.g. ``MathAccuracy``, first).
 
     Example:
         >>> # trainer = GRPOTrainer("HuggingFaceTB/SmolLM2-135M-Instruct", [MathAccuracy()], prompts,
@@ -79,6 +85,8 @@ class GRPOTrainer:
         loss: GRPOLoss | None = None,
         entropy: EntropyEstimator | None = None,
         template: PromptTemplate | None = None,
+        eval_prompts: Sequence[Prompt] | None = None,
+        eval_reward: RewardFn | None = None,
     ) -> None:
         self.config = config = config if config is not None else GRPOConfig()
         self.memory = memory = memory if memory is not None else MemoryPlan()
@@ -100,6 +108,13 @@ class GRPOTrainer:
         self.advantage = advantage if advantage is not None else GroupNormalized()
         self.loss = loss if loss is not None else ClippedSurrogate()
         self.entropy = entropy
+        self.template = template
+        self.eval_prompts = list(eval_prompts or [])
+        self.eval_reward = eval_reward if eval_reward is not None else self.rewards.rewards[0]
+        if config.eval_every_steps and not self.eval_prompts:
+            warnings.warn(f"eval_every_steps={config.eval_every_steps} but no eval_prompts were given, so no "
+                          "held-out evaluation will run; pass GRPOTrainer(..., eval_prompts=test_prompts)",
+                          stacklevel=2)
         self.reference = ReferencePolicy(self.model, memory) if self.loss.requires_ref_logprobs else None
         self.optimizer = build_optimizer(
             self.model, memory, learning_rate=config.learning_rate, betas=config.adam_betas,
@@ -129,7 +144,8 @@ class GRPOTrainer:
                 if cfg.max_train_seconds is not None and time.perf_counter() - start >= cfg.max_train_seconds:
                     break
                 metrics = self.step()
-                logger.log(self.step_count, metrics, write=self.step_count % cfg.log_every_steps == 0)
+                write = self.step_count % cfg.log_every_steps == 0 or "eval/pass@1" in metrics  # never lose an eval
+                logger.log(self.step_count, metrics, write=write)
                 if cfg.save_every_steps and self.step_count % cfg.save_every_steps == 0:
                     self.save(out / f"checkpoint-{self.step_count}")
         self.save(out / "final")
@@ -169,11 +185,29 @@ class GRPOTrainer:
         self.scheduler.step()  # the schedule counts steps, not the mu updates inside one
 
         self.step_count += 1
-        metrics = {**self._batch_metrics(batch, rewards), **loss_metrics, **timer.seconds()}
+        held_out: dict[str, float] = {}
+        if cfg.eval_every_steps and self.eval_prompts and self.step_count % cfg.eval_every_steps == 0:
+            with timer("eval"):
+                held_out = self.evaluate()
+        metrics = {**self._batch_metrics(batch, rewards), **loss_metrics, **held_out, **timer.seconds()}
         metrics["lr"] = lr
         metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
         self.history.append(metrics)
         return metrics
+
+    def evaluate(self, prompts: Sequence[Prompt] | None = None) -> dict[str, float]:
+        """Greedy pass@1 of the current policy on ``prompts`` (default: ``eval_prompts``).
+
+        Uses the trainer's template (else the sampler's), ``eval_max_completion_tokens`` (else
+        ``max_completion_tokens``) and ``eval_reward``; returns ``{"eval/pass@1": ...}``.
+        """
+        cfg = self.config
+        prompts = prompts if prompts is not None else self.eval_prompts
+        template = self.template if self.template is not None else getattr(self.sampler, "template", None)
+        report = evaluate(self.model, self.tokenizer, prompts, self.eval_reward, template=template,
+                          max_new_tokens=cfg.eval_max_completion_tokens or cfg.max_completion_tokens,
+                          batch_size=cfg.completions_per_step, progress=False)
+        return {f"eval/{name}": value for name, value in report.metrics.items()}
 
     def _update(self, batch: RolloutBatch, advantages: Tensor, old: Tensor | None, ref: Tensor | None
                 ) -> dict[str, float]:
@@ -207,7 +241,7 @@ class GRPOTrainer:
         with_entropy = bool(getattr(self.loss, "requires_entropy", False))
         sums: dict[str, float] = dict.fromkeys(self._metric_keys, 0.0)
         try:
-            rows = self._rows_to_train(advantages) if num_sequences else torch.zeros(0, dtype=torch.long)
+            rows = self._rows_to_train(advantages) if num_sequences and num_tokens else torch.zeros(0, dtype=torch.long)
             for idx in rows.split(self.memory.micro_batch_size) if rows.numel() else ():
                 pid, pmask, cid, cmask = _trimmed(batch, idx)
                 out = completion_logprobs(self.model, pid, pmask, cid, cmask, temperature=self.config.temperature,

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from torch import Tensor
 
 from grpo_engine.losses import CISPO, GSPO, KL_ESTIMATORS, ClippedSurrogate, kl_estimator, kl_k1, kl_k2, kl_k3
 from grpo_engine.protocols import GRPOLoss
@@ -17,20 +16,11 @@ MAX_LEN = 8
 AGGS = ("sequence", "token", "constant")
 TRUNCATED = (False, True, False, False, True, False, False, False)
 
-if "entropy" in {f.name for f in dataclasses.fields(MicroBatch)}:
-    Batch = MicroBatch
-else:  # until MicroBatch grows its optional ``entropy`` field
-
-    @dataclasses.dataclass(frozen=True)
-    class Batch(MicroBatch):
-        entropy: Tensor | None = None  # [n, C]
-
-
 def call(fn, lp, mask, adv, old=None, ref=None, *, truncated=None, entropy=None, counts=None):
     """Runs ``fn`` on one micro-batch; ``counts`` default to ``fn.counts`` of this batch."""
     mask = torch.as_tensor(mask, dtype=torch.bool)
     trunc = None if truncated is None else torch.as_tensor(truncated, dtype=torch.bool)
-    batch = Batch(mask, torch.as_tensor(adv, dtype=torch.float64), old, ref, trunc, entropy=entropy)
+    batch = MicroBatch(mask, torch.as_tensor(adv, dtype=torch.float64), old, ref, trunc, entropy=entropy)
     nvt, ns = fn.counts(mask, trunc) if counts is None else counts
     return fn(lp, batch, num_valid_tokens=nvt, num_sequences=ns)
 
@@ -424,7 +414,7 @@ def test_gradients_flow_only_into_logprobs_and_entropy_with_the_advantage_sign(f
     old, ref = old.nan_to_num().requires_grad_(), ref.nan_to_num().requires_grad_()
     adv = adv.requires_grad_()
     trunc = torch.tensor(TRUNCATED)
-    batch = Batch(mask, adv, old, ref, trunc, entropy=ent)
+    batch = MicroBatch(mask, adv, old, ref, trunc, entropy=ent)
     nvt, ns = fn.counts(mask, trunc)
     fn(lp, batch, num_valid_tokens=nvt, num_sequences=ns).loss.backward()
     for t in (old, ref, adv):

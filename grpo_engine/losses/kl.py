@@ -26,9 +26,11 @@ Why the gradient column holds (x ~ π_θ, expectation of ∇ with the sampling h
 GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300) adds β·k3 per token to the loss (not
 to the reward); :class:`grpo_engine.losses.ClippedSurrogate`, ``GSPO`` and ``CISPO`` do the same
 with ``kl_coef``, and pick another estimator by name with ``kl_estimator`` (see
-:func:`kl_estimator`). TRL (>= 1.x, ``use_bias_correction_kl=True``, its default) multiplies k3
-by the token ratio, which makes the gradient the unbiased reverse-KL one (DeepSeek-V3.2,
-arXiv 2512.02556); grpo_engine does not: use ``"k2"`` for the reverse-KL gradient.
+:func:`kl_estimator`). TRL 1.16 by default (``use_bias_correction_kl=True``) multiplies k3
+by the differentiable token ratio (DeepSeek-V3.2, arXiv 2512.02556): the value is unchanged
+on-policy, but the gradient gains k3·∇log π_θ and becomes the unbiased reverse-KL one.
+grpo_engine does not weight the KL; use ``"k2"`` for the reverse-KL gradient
+(``tests/test_trl_parity.py`` pins the exact difference).
 
 Values are computed in float32, or in the input dtype when it is wider (float64). No clamping
 is applied (verl clamps the log-ratio to ±20); callers mask padded positions before use.
