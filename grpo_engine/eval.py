@@ -169,8 +169,17 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class EvalItem:
-    """What one prompt got. Greedy fields are None without greedy decoding; sampled ones empty
-    without sampling."""
+    """What one prompt got; greedy fields are None without greedy decoding, sampled ones empty without sampling.
+
+    Attributes:
+        question, target: the prompt's question text and reference answer.
+        greedy_completion, greedy_answer, greedy_score, greedy_correct: the greedy completion, its
+            final answer (``final_answer``), its reward and whether that is >= threshold.
+        sampled_completions, sampled_answers, sampled_scores, sampled_correct: the same for each
+            of the k samples, in sampling order.
+        majority_answer, majority_count, majority_correct: the majority answer (``majority_vote``),
+            its votes, and whether the sample it came from is correct (False when no sample answered).
+    """
 
     question: str
     target: str | None
@@ -243,10 +252,10 @@ class EvalReport:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: the aggregates, ``metrics``, ``settings`` and ``items``."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["items"] = [asdict(item) for item in self.items]
+        out: dict[str, Any] = {"metrics": self.metrics}
+        out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "items"})
         out["settings"] = dict(self.settings)
-        out["metrics"] = self.metrics
+        out["items"] = [asdict(item) for item in self.items]  # last: the long part
         return out
 
     def to_json(self, path: str | Path) -> Path:

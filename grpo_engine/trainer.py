@@ -38,6 +38,7 @@ from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.models import load_model
 from grpo_engine.protocols import AdvantageFn, EntropyEstimator, GRPOLoss, RewardFn, Sampler
 from grpo_engine.rewards import WeightedSum
+from grpo_engine.sampling.dynamic import DynamicSampling
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.types import MicroBatch, Prompt, RewardOutput, RolloutBatch
 
@@ -64,6 +65,8 @@ class GRPOTrainer:
             (``grpo_engine.eval.evaluate``) is added to that step's metrics as ``eval/pass@1``.
         eval_reward: decides correctness in that evaluation; defaults to the first of ``rewards``
             (put the correctness reward, e.g. ``MathAccuracy``, first).
+        dynamic_sampling: DAPO's filter: train only on groups with unequal rewards, topping the
+            batch up from fresh prompts (``grpo_engine.sampling.DynamicSampling``).
 
     Example:
         >>> # trainer = GRPOTrainer("HuggingFaceTB/SmolLM2-135M-Instruct", [MathAccuracy()], prompts,
@@ -87,6 +90,7 @@ class GRPOTrainer:
         template: PromptTemplate | None = None,
         eval_prompts: Sequence[Prompt] | None = None,
         eval_reward: RewardFn | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
     ) -> None:
         self.config = config = config if config is not None else GRPOConfig()
         self.memory = memory = memory if memory is not None else MemoryPlan()
@@ -103,11 +107,13 @@ class GRPOTrainer:
         self.sampler = sampler if sampler is not None else HFSampler(
             self.model, tokenizer, template=template, max_prompt_tokens=config.max_prompt_tokens,
             max_completion_tokens=config.max_completion_tokens, temperature=config.temperature,
-            top_p=config.top_p, top_k=config.top_k, return_logprobs=False,
+            top_p=config.top_p, top_k=config.top_k,
+            return_logprobs=bool(getattr(loss, "requires_sampler_logprobs", False)),
         )
         self.advantage = advantage if advantage is not None else GroupNormalized()
         self.loss = loss if loss is not None else ClippedSurrogate()
         self.entropy = entropy
+        self.dynamic_sampling = dynamic_sampling
         self.template = template
         self.eval_prompts = list(eval_prompts or [])
         self.eval_reward = eval_reward if eval_reward is not None else self.rewards.rewards[0]
@@ -154,15 +160,20 @@ class GRPOTrainer:
     def step(self) -> dict[str, float]:
         """One optimizer step (``updates_per_batch`` of them on one rollout batch); returns its metrics."""
         cfg, timer = self.config, _Timer()
-        prompts = self.prompts.next_batch()
 
-        # 1. sample a group of completions for each prompt
-        with timer("sample"):
-            batch = self.sampler.sample(prompts, group_size=cfg.group_size)
+        def draw(num_prompts: int) -> tuple[RolloutBatch, RewardOutput]:
+            # 1. sample a group of completions for each prompt
+            with timer("sample"):
+                batch = self.sampler.sample(self.prompts.next_batch(num_prompts), group_size=cfg.group_size)
+            # 2. score, with the per-reward breakdown
+            with timer("reward"):
+                return batch, self.rewards(batch)
 
-        # 2. score, with the per-reward breakdown
-        with timer("reward"):
-            rewards = self.rewards(batch)
+        sampling_stats: dict[str, float] = {}
+        if self.dynamic_sampling is None:
+            batch, rewards = draw(cfg.prompts_per_step)
+        else:  # stages 1-2 repeat until the batch is full of groups with a learning signal
+            batch, rewards, sampling_stats = self.dynamic_sampling(draw, cfg.prompts_per_step)
 
         # 3. uncertainty (optional) and advantages
         uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
@@ -189,7 +200,8 @@ class GRPOTrainer:
         if cfg.eval_every_steps and self.eval_prompts and self.step_count % cfg.eval_every_steps == 0:
             with timer("eval"):
                 held_out = self.evaluate()
-        metrics = {**self._batch_metrics(batch, rewards), **loss_metrics, **held_out, **timer.seconds()}
+        metrics = {**self._batch_metrics(batch, rewards), **sampling_stats, **loss_metrics, **held_out,
+                   **timer.seconds()}
         metrics["lr"] = lr
         metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
         self.history.append(metrics)
@@ -253,6 +265,8 @@ class GRPOTrainer:
                     old_logprobs=old_logprobs[idx, :width].to(dev) if old_logprobs is not None else None,
                     ref_logprobs=ref_logprobs[idx, :width].to(dev) if ref_logprobs is not None else None,
                     is_truncated=batch.is_truncated[idx].to(dev), entropy=entropy,
+                    sampler_logprobs=(batch.sampler_logprobs[idx, :width].to(dev)
+                                      if batch.sampler_logprobs is not None else None),
                 )
                 out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=num_sequences)
                 out.loss.backward()

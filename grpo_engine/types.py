@@ -166,6 +166,8 @@ class MicroBatch:
         is_truncated: [n] True where the completion has no EOS.
         entropy: [n, C] token entropy of the current policy at the sampling temperature, with
             gradient, when the loss asks for it (``requires_entropy``), else None.
+        sampler_logprobs: [n, C] the sampler's own log-probs of the tokens, when the loss asks
+            for them (``requires_sampler_logprobs``), else None.
     """
 
     completion_mask: Tensor  # [n, C] bool
@@ -174,6 +176,7 @@ class MicroBatch:
     ref_logprobs: Tensor | None = None  # [n, C]
     is_truncated: Tensor | None = None  # [n] bool
     entropy: Tensor | None = None  # [n, C]
+    sampler_logprobs: Tensor | None = None  # [n, C]
 
 
 @dataclass(frozen=True)

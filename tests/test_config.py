@@ -55,7 +55,8 @@ def test_memory_plan_rejects_bad_values():
 def test_component_spec_needs_exactly_one_target():
     from grpo_engine.spec import ComponentSpec, build
 
-    assert build(ComponentSpec.model_validate({"class": "grpo_engine.rewards.MathAccuracy", "weight": 0.5})).weight == 0.5
+    spec = ComponentSpec.model_validate({"class": "grpo_engine.rewards.MathAccuracy", "weight": 0.5})
+    assert build(spec).weight == 0.5
     with pytest.raises(ValidationError, match="exactly one of 'class' or 'function'"):
         ComponentSpec.model_validate({"weight": 1.0})
     with pytest.raises(ValueError, match="cannot import 'grpo_engine.rewards.Nope'"):

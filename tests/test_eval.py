@@ -242,7 +242,7 @@ def test_cli_eval_writes_a_report(model_dir, tmp_path, capsys):
     out = tmp_path / "report.json"
     assert main(["eval", "--model", str(model_dir), "--dataset", "jsonl", "--data", str(data), "--question-field",
                  "q", "--answer-field", "a", "--limit", "3", "--k", "2", "--max-new-tokens", "4", "--seed", "5",
-                 "--template-instruction", " =", "--no-progress-bar", "--output", str(out)]) == 0
+                 "--template-instruction", " =", "--device", "cpu", "--no-progress-bar", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "maj@2" in printed and f"report written to {out}" in printed
     report = EvalReport.from_json(out)
@@ -267,7 +267,7 @@ def test_cli_eval_applies_a_peft_adapter(model_dir, tmp_path):
     data.write_text("".join(json.dumps({"question": f"{a}+1", "answer": f"{a}+1=<<{a}+1={a + 1}>>{a + 1}\n#### "
                                         f"{a + 1}"}) + "\n" for a in range(5)))
     common = ["eval", "--model", str(model_dir), "--dataset", "gsm8k", "--data", str(data), "--max-new-tokens", "4",
-              "--limit", "3", "--no-progress-bar"]
+              "--limit", "3", "--device", "cpu", "--no-progress-bar"]
     assert main([*common, "--adapter", str(tmp_path / "adapter"), "--output", str(tmp_path / "a.json")]) == 0
     assert main([*common, "--output", str(tmp_path / "b.json")]) == 0
     with_adapter, base = EvalReport.from_json(tmp_path / "a.json"), EvalReport.from_json(tmp_path / "b.json")

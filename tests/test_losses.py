@@ -331,3 +331,25 @@ def test_defaults_properties_and_protocol():
         ClippedSurrogate().kl_coef = 1.0  # type: ignore[misc]
     out = run(ClippedSurrogate(), leaf([[0.0]], torch.bfloat16), [[1]], [1.0])
     assert out.loss.dtype == torch.float32
+
+
+def test_truncated_importance_sampling_weight_hand_case():
+    """Two tokens, A = +1, on-policy (old = current), sampler log-probs lower by ln 2 and higher by ln 2:
+    weights min(e^{ln 2}, 1.5) = 1.5 and e^{-ln 2} = 0.5; token aggregation over 2 tokens gives
+    loss = -(1.5 + 0.5) / 2 = -1.0 and d loss / d logp = [-0.75, -0.25] (the weight is detached)."""
+    from grpo_engine.types import MicroBatch
+
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ln2 = math.log(2.0)
+    batch = MicroBatch(completion_mask=torch.ones(1, 2, dtype=torch.bool), advantages=torch.tensor([1.0]),
+                       sampler_logprobs=torch.tensor([[-1.0 - ln2, -2.0 + ln2]]))
+    loss_fn = ClippedSurrogate(aggregation="token", tis_cap=1.5)
+    assert loss_fn.requires_sampler_logprobs
+    out = loss_fn(logp, batch, num_valid_tokens=2, num_sequences=1)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-1.0)
+    assert logp.grad[0].tolist() == pytest.approx([-0.75, -0.25])
+    assert out.metrics["tis_weight"].item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="tis_cap=1.5 needs batch.sampler_logprobs"):
+        loss_fn(logp, MicroBatch(completion_mask=batch.completion_mask, advantages=batch.advantages),
+                num_valid_tokens=2, num_sequences=1)

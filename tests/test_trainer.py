@@ -175,3 +175,26 @@ def test_end_to_end_golden_run_saves_a_loadable_adapter(tmp_path):
         torch.testing.assert_close(completion_logprobs(reloaded, *args), completion_logprobs(trainer.model, *args))
         base = tiny_llama(len(trainer.tokenizer))
         assert not torch.allclose(completion_logprobs(base, *args), completion_logprobs(trainer.model, *args))
+
+
+def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path):
+    from grpo_engine.sampling import DynamicSampling
+
+    class FirstPromptOnly(DigitShare):
+        """Signal only for prompts that start with an odd digit: every other group ties at 0."""
+
+        def score(self, prompt, completion):
+            return super().score(prompt, completion) if int(prompt.question[0]) % 2 else 0.0
+
+    tokenizer = char_tokenizer()
+    trainer = GRPOTrainer(
+        tiny_llama(len(tokenizer)), [FirstPromptOnly(name="digit_share")], PROMPTS, tokenizer=tokenizer,
+        template=TEMPLATE, dynamic_sampling=DynamicSampling(max_rounds=4),
+        config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=1, seed=0,
+                          output_dir=str(tmp_path), progress_bar=False),
+    )
+    metrics = trainer.step()
+    kept = metrics["dynamic_sampling/groups_kept"]
+    assert 1 <= kept <= 2 and metrics["zero_std_fraction"] == 0.0
+    assert metrics["dynamic_sampling/groups_sampled"] >= 2 and metrics["dynamic_sampling/rounds"] >= 1
+    assert trainer.prompts.position == metrics["dynamic_sampling/groups_sampled"]  # fresh prompts each round

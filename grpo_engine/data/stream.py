@@ -68,15 +68,18 @@ class PromptStream:
         """How many prompts of the current epoch have been served."""
         return self._position
 
-    def next_batch(self) -> list[Prompt]:
-        """Returns the next ``batch_size`` prompts, crossing into the next epoch if needed."""
+    def next_batch(self, size: int | None = None) -> list[Prompt]:
+        """Returns the next ``size`` prompts (default ``batch_size``), crossing into the next epoch if needed."""
+        size = self.batch_size if size is None else size
+        if size < 1:
+            raise DataError(f"size={size} must be >= 1; ask for at least one prompt")
         batch: list[Prompt] = []
-        while len(batch) < self.batch_size:
+        while len(batch) < size:
             if self._position == len(self.prompts):
                 self._epoch += 1
                 self._position = 0
                 self._order = self._permutation(self._epoch)
-            take = min(self.batch_size - len(batch), len(self.prompts) - self._position)
+            take = min(size - len(batch), len(self.prompts) - self._position)
             start, self._position = self._position, self._position + take
             batch.extend(self.prompts[i] for i in self._order[start : self._position])
         return batch

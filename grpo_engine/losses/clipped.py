@@ -39,6 +39,12 @@ Per valid token t of completion i (``logprobs`` with gradient, ``old``/``ref`` w
   its ``grpo`` and ``dr_grpo`` still divide by every row (so they shrink the loss by
   kept/all rows); its token-normalised ``dapo`` agrees with ``"token"`` here.
 * Advantages arrive precomputed (see :mod:`grpo_engine.advantages`), one per completion.
+* Truncated importance sampling (``tis_cap``, off by default; Yao et al. 2025, "Your efficient RL
+  framework secretly brings you off-policy RL training", as TRL's vLLM importance sampling): when
+  the sampler's log-probs differ from the trainer's (another engine, another precision), each
+  token's surrogate is multiplied by the detached weight min(π_old / π_sampler, tis_cap), with
+  π_old the trainer's old policy (the detached current one when μ = 1). The KL and entropy terms
+  are not reweighted.
 
 Parity with TRL 1.16 ``GRPOTrainer`` (``tests/test_trl_parity.py``): equal loss and gradient for
 ``grpo`` = ``"sequence"``, ``dapo`` = ``"token"``, ``dr_grpo`` = ``"constant"``, with
@@ -104,6 +110,7 @@ class ClippedSurrogate:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     mask_truncated: bool = False
     entropy_coef: float = 0.0
+    tis_cap: float | None = None
 
     def __post_init__(self) -> None:
         if self.clip_eps_high is None:
@@ -129,6 +136,8 @@ class ClippedSurrogate:
                 f"delta={self.delta!r} must be > 1 + clip_eps_high = {1 + self.clip_eps_high}; "
                 "pass a larger cap (INTELLECT-2 uses 4) or None"
             )
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            problems.append(f"tis_cap={self.tis_cap!r} must be > 0; use e.g. 2.0, or None to turn it off")
         problems.extend(common.check_kl_estimator(self.kl_estimator))
         if problems:
             raise ValueError("invalid ClippedSurrogate: " + "; ".join(problems))
@@ -137,6 +146,11 @@ class ClippedSurrogate:
     def requires_ref_logprobs(self) -> bool:
         """True when ``kl_coef > 0``: the trainer must supply ``batch.ref_logprobs``."""
         return self.kl_coef > 0
+
+    @property
+    def requires_sampler_logprobs(self) -> bool:
+        """True when ``tis_cap`` is set: the sampler must report its own log-probs."""
+        return self.tis_cap is not None
 
     @property
     def requires_entropy(self) -> bool:
@@ -220,11 +234,17 @@ class ClippedSurrogate:
         capped_ratio = ratio if self.delta is None else ratio.clamp(max=self.delta)
         unclipped_obj, clipped_obj = capped_ratio * adv, clipped_ratio * adv
         policy_token = -torch.minimum(unclipped_obj, clipped_obj)  # [n, C]
+        metrics: dict[str, Tensor] = {}
+        if self.tis_cap is not None:  # truncated importance sampling: pi_old / pi_sampler, capped
+            old = logp.detach() if batch.old_logprobs is None else common.masked(batch.old_logprobs, mask, logp.dtype)
+            sampler = common.masked(batch.sampler_logprobs.detach(), mask, logp.dtype)
+            weight = torch.exp(old - sampler).clamp(max=self.tis_cap)
+            policy_token = policy_token * weight
+            metrics["tis_weight"] = common.token_share(weight, mask, num_valid_tokens)
         is_clipped = clipped_obj < unclipped_obj
         if self.delta is not None:
             is_clipped = is_clipped | ((ratio > self.delta) & (adv != 0))
         token_loss = policy_token
-        metrics: dict[str, Tensor] = {}
         if self.kl_coef > 0:
             kl = common.kl_tokens(self.kl_estimator, logp, batch.ref_logprobs, mask)
             token_loss = token_loss + self.kl_coef * kl
@@ -244,6 +264,9 @@ class ClippedSurrogate:
                num_valid_tokens: int, num_sequences: int) -> None:
         """Raises ValueError naming every bad input of one call."""
         extra = []
+        if self.tis_cap is not None and getattr(batch, "sampler_logprobs", None) is None:
+            extra.append(f"tis_cap={self.tis_cap} needs batch.sampler_logprobs [n, C], which is None; use a "
+                         "sampler that reports log-probs (HFSampler does) or set tis_cap=None")
         if self.mask_truncated and batch.is_truncated is None:
             extra.append("mask_truncated=True needs batch.is_truncated, which is None; "
                          "pass the [n] truncation flags or set mask_truncated=False")

@@ -1,0 +1,78 @@
+"""DAPO dynamic sampling: which groups are kept, how many rounds run, and exact batch surgery."""
+
+import pytest
+import torch
+
+from grpo_engine.sampling.dynamic import DynamicSampling, concat_rollouts, select_groups
+from grpo_engine.types import Prompt, RewardOutput, RolloutBatch
+
+G = 2
+
+
+def fake_batch(rewards_rows, start, prompt_width=3, completion_width=4):
+    """B groups of G completions; prompt b is 'p<start+b>' and its completion ids encode (b, g)."""
+    b = len(rewards_rows)
+    n = b * G
+    prompt_ids = torch.arange(n * prompt_width).reshape(n, prompt_width)
+    completion_ids = torch.arange(n * completion_width).reshape(n, completion_width) + 1000 * start
+    batch = RolloutBatch(
+        prompts=tuple(Prompt(f"p{start + i}", "1") for i in range(b)), group_size=G,
+        prompt_ids=prompt_ids, prompt_mask=torch.ones(n, prompt_width, dtype=torch.bool),
+        completion_ids=completion_ids, completion_mask=torch.ones(n, completion_width, dtype=torch.bool),
+        is_truncated=torch.zeros(n, dtype=torch.bool), texts=tuple(f"t{start}-{i}" for i in range(n)),
+        sampler_logprobs=-torch.rand(n, completion_width),
+    )
+    total = torch.tensor(rewards_rows, dtype=torch.float32)
+    return batch, RewardOutput(total=total, breakdown={"acc": total.clone()})
+
+
+class Script:
+    """draw(k) returns scripted rounds, recording how many prompts each round asked for."""
+
+    def __init__(self, rounds):
+        self.rounds, self.asked, self.start = list(rounds), [], 0
+
+    def __call__(self, k):
+        self.asked.append(k)
+        rows = self.rounds.pop(0)[:k]
+        out = fake_batch(rows, self.start)
+        self.start += len(rows)
+        return out
+
+
+def test_keeps_informative_groups_and_tops_up_with_fresh_prompts():
+    # round 1: groups 0 and 2 tie, 1 and 3 carry signal (2 kept of 4); round 2 asks for the 2 missing
+    draw = Script([[[1, 1], [1, 0], [0, 0], [0, 1]], [[1, 0], [1, 1]], [[0, 1], [0, 1]]])
+    batch, rewards, stats = DynamicSampling(max_rounds=3)(draw, 4)
+    assert draw.asked == [4, 2, 1]
+    assert [p.question for p in batch.prompts] == ["p1", "p3", "p4", "p6"]
+    assert rewards.total.tolist() == [[1, 0], [0, 1], [1, 0], [0, 1]]
+    assert stats == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/groups_sampled": 7.0,
+                     "dynamic_sampling/groups_kept": 4.0,
+                     "reward/mean_sampled": pytest.approx(8 / 14)}  # (4 + 3 + 1) / (8 + 4 + 2)
+    # rows follow their prompts: p3 was group 3 of round 1 -> rows 6, 7 of that batch
+    first, _ = fake_batch([[1, 1], [1, 0], [0, 0], [0, 1]], 0)
+    assert torch.equal(batch.completion_ids[2:4], first.completion_ids[6:8])
+    assert batch.texts[2:4] == ("t0-6", "t0-7")
+
+
+def test_bounded_rounds_and_nothing_informative():
+    draw = Script([[[1, 1], [0, 0]]] * 2)
+    batch, rewards, stats = DynamicSampling(max_rounds=2)(draw, 2)
+    assert stats["dynamic_sampling/groups_kept"] == 0 and stats["dynamic_sampling/rounds"] == 2
+    assert batch.num_prompts == 2 and rewards.total.tolist() == [[1, 1], [0, 0]]  # the last round, as is
+    with pytest.raises(ValueError, match="max_rounds=0 must be >= 1"):
+        DynamicSampling(max_rounds=0)
+
+
+def test_concat_repads_prompts_left_and_completions_right():
+    a, _ = fake_batch([[1, 0]], 0, prompt_width=2, completion_width=5)
+    b, _ = fake_batch([[0, 1]], 1, prompt_width=4, completion_width=3)
+    both = concat_rollouts([a, b])
+    assert both.prompt_ids.shape == (4, 4) and both.completion_ids.shape == (4, 5)
+    assert both.prompt_mask[:2].tolist() == [[False, False, True, True]] * 2
+    assert torch.equal(both.prompt_ids[:2, 2:], a.prompt_ids)
+    assert both.completion_mask[2:].tolist() == [[True, True, True, False, False]] * 2
+    assert torch.equal(both.sampler_logprobs[2:, :3], b.sampler_logprobs)
+    picked, rewards = select_groups(both, RewardOutput(torch.tensor([[1.0, 0.0], [0.0, 1.0]])), torch.tensor([1]))
+    assert torch.equal(picked.completion_ids, both.completion_ids[2:]) and rewards.total.tolist() == [[0, 1]]
