@@ -29,7 +29,7 @@ install-dev: $(VENV)/.dev
 install-demo: $(VENV)/.demo
 
 test: $(VENV)/.dev
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --doctest-modules grpo_engine
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check grpo_engine tests examples benchmarks

@@ -1,9 +1,10 @@
 """GRPOTrainer: assembles the components and runs the six-stage GRPO step.
 
-    1. sample a group of completions per prompt          (Sampler)
+    1. sample a group of completions per prompt          (Sampler; DynamicSampling repeats 1-2)
     2. score them, with a per-reward breakdown           (WeightedSum of RewardFn)
-    3. per-group uncertainty (optional) and advantages   (EntropyEstimator, AdvantageFn)
-    4. old / reference log-probs without gradient, only when needed (mu > 1, KL > 0)
+    3. old / reference log-probs without gradient, only when needed (mu > 1, a KL term or penalty)
+    4. per-group uncertainty (optional) and advantages   (EntropyEstimator, AdvantageFn), after an
+       optional KL penalty on the rewards                (KLRewardPenalty)
     5. micro-batched loss and backward, normalised by step-global counts (GRPOLoss)
     6. optimizer step, metrics (and every ``eval_every_steps`` greedy pass@1 on eval_prompts), checkpoint
 
@@ -32,7 +33,7 @@ from grpo_engine.data.templates import PromptTemplate
 from grpo_engine.eval import evaluate
 from grpo_engine.logging import MetricsLogger
 from grpo_engine.logprobs import completion_logprobs
-from grpo_engine.losses import ClippedSurrogate
+from grpo_engine.losses import ClippedSurrogate, KLRewardPenalty
 from grpo_engine.memory.apply import ReferencePolicy, build_optimizer, prepare_model, trainable_parameters
 from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.models import load_model
@@ -67,6 +68,8 @@ class GRPOTrainer:
             (put the correctness reward, e.g. ``MathAccuracy``, first).
         dynamic_sampling: DAPO's filter: train only on groups with unequal rewards, topping the
             batch up from fresh prompts (``grpo_engine.sampling.DynamicSampling``).
+        kl_penalty: KL to the reference subtracted from each completion's reward before the
+            advantages (``grpo_engine.losses.KLRewardPenalty``), instead of a KL term in the loss.
 
     Example:
         >>> # trainer = GRPOTrainer("HuggingFaceTB/SmolLM2-135M-Instruct", [MathAccuracy()], prompts,
@@ -91,6 +94,7 @@ class GRPOTrainer:
         eval_prompts: Sequence[Prompt] | None = None,
         eval_reward: RewardFn | None = None,
         dynamic_sampling: DynamicSampling | None = None,
+        kl_penalty: KLRewardPenalty | None = None,
     ) -> None:
         self.config = config = config if config is not None else GRPOConfig()
         self.memory = memory = memory if memory is not None else MemoryPlan()
@@ -114,6 +118,7 @@ class GRPOTrainer:
         self.loss = loss if loss is not None else ClippedSurrogate()
         self.entropy = entropy
         self.dynamic_sampling = dynamic_sampling
+        self.kl_penalty = kl_penalty
         self.template = template
         self.eval_prompts = list(eval_prompts or [])
         self.eval_reward = eval_reward if eval_reward is not None else self.rewards.rewards[0]
@@ -121,7 +126,8 @@ class GRPOTrainer:
             warnings.warn(f"eval_every_steps={config.eval_every_steps} but no eval_prompts were given, so no "
                           "held-out evaluation will run; pass GRPOTrainer(..., eval_prompts=test_prompts)",
                           stacklevel=2)
-        self.reference = ReferencePolicy(self.model, memory) if self.loss.requires_ref_logprobs else None
+        needs_reference = self.loss.requires_ref_logprobs or kl_penalty is not None
+        self.reference = ReferencePolicy(self.model, memory) if needs_reference else None
         self.optimizer = build_optimizer(
             self.model, memory, learning_rate=config.learning_rate, betas=config.adam_betas,
             eps=config.adam_eps, weight_decay=config.weight_decay,
@@ -175,17 +181,23 @@ class GRPOTrainer:
         else:  # stages 1-2 repeat until the batch is full of groups with a learning signal
             batch, rewards, sampling_stats = self.dynamic_sampling(draw, cfg.prompts_per_step)
 
-        # 3. uncertainty (optional) and advantages
-        uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
-        advantages = self.advantage(rewards.total, uncertainty=uncertainty).reshape(-1)  # [N]
-
-        # 4. old and reference log-probs, without gradient and only when needed
+        # 3. old and reference log-probs, without gradient and only when needed
         with timer("logprobs"):
-            old = self._logprobs(batch, self.model) if cfg.updates_per_batch > 1 else None
+            needs_old = cfg.updates_per_batch > 1 or self.kl_penalty is not None
+            old = self._logprobs(batch, self.model) if needs_old else None
             ref = None
             if self.reference is not None:
                 with self.reference.active() as ref_model:
                     ref = self._logprobs(batch, ref_model)
+        if self.kl_penalty is not None:  # KL in the reward: shapes the advantages, not the loss
+            penalty = self.kl_penalty(old, ref, batch.completion_mask.cpu()).reshape(rewards.total.shape)
+            rewards = RewardOutput(total=rewards.total - penalty.to(rewards.total.device),
+                                   breakdown={**rewards.breakdown, "kl_penalty": penalty})
+            old = old if cfg.updates_per_batch > 1 else None
+
+        # 4. uncertainty (optional) and advantages
+        uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
+        advantages = self.advantage(rewards.total, uncertainty=uncertainty).reshape(-1)  # [N]
 
         # 5. micro-batched loss and backward, 6. optimizer step (mu times on this batch)
         loss_metrics: dict[str, float] = {}

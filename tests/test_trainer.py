@@ -23,13 +23,14 @@ class DigitShare(Reward):
         return sum(c.isdigit() for c in completion) / max(1, len(completion))
 
 
-def make_trainer(tmp_path, *, memory=None, loss=None, seed=0, **config):
+def make_trainer(tmp_path, *, memory=None, loss=None, seed=0, components=None, **config):
     tokenizer = char_tokenizer()
     defaults = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=3, learning_rate=1e-2,
                     temperature=1.0, seed=seed, output_dir=str(tmp_path), progress_bar=False)
     return GRPOTrainer(
         tiny_llama(len(tokenizer), seed=seed), [DigitShare()], PROMPTS, tokenizer=tokenizer, template=TEMPLATE,
         config=GRPOConfig(**{**defaults, **config}), memory=memory or MemoryPlan(micro_batch_size=8), loss=loss,
+        **(components or {}),
     )
 
 
@@ -198,3 +199,31 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path):
     assert 1 <= kept <= 2 and metrics["zero_std_fraction"] == 0.0
     assert metrics["dynamic_sampling/groups_sampled"] >= 2 and metrics["dynamic_sampling/rounds"] >= 1
     assert trainer.prompts.position == metrics["dynamic_sampling/groups_sampled"]  # fresh prompts each round
+
+
+def test_tis_with_the_hf_sampler_changes_nothing(tmp_path):
+    """HFSampler samples from the policy itself, so every weight pi_old / pi_sampler is 1 (float error
+    aside) and the truncated-IS gradient equals the plain one."""
+    tis = make_trainer(tmp_path, loss=ClippedSurrogate(aggregation="token", tis_cap=2.0))
+    plain = make_trainer(tmp_path, loss=ClippedSurrogate(aggregation="token"))
+    assert tis.sampler.return_logprobs and not plain.sampler.return_logprobs
+    batch, advantages = sample_with_advantages(tis)
+    tis.compute_gradients(batch, advantages)
+    plain.compute_gradients(batch, advantages)
+    for a, b in zip(grads(tis), grads(plain)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_kl_penalty_is_subtracted_from_the_rewards_before_advantages(tmp_path):
+    from grpo_engine.losses import KLRewardPenalty
+
+    trainer = make_trainer(tmp_path, memory=MemoryPlan(lora=LoRA(r=4, alpha=8)), learning_rate=5e-2,
+                           max_steps=2, components={"kl_penalty": KLRewardPenalty(coef=0.5)})
+    assert trainer.reference is not None
+    first = trainer.step()
+    assert first["reward/kl_penalty/mean"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts at the reference
+    second = trainer.step()
+    assert second["reward/kl_penalty/mean"] != 0.0
+    # the total is the task reward minus the penalty
+    assert second["reward/mean"] == pytest.approx(second["reward/digit_share/mean"]
+                                                   - second["reward/kl_penalty/mean"], abs=1e-6)

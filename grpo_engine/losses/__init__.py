@@ -11,6 +11,7 @@ reachable by name through ``kl_estimator``.
 from grpo_engine.losses.cispo import CISPO
 from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.gspo import GSPO
-from grpo_engine.losses.kl import KL_ESTIMATORS, kl_estimator, kl_k1, kl_k2, kl_k3
+from grpo_engine.losses.kl import KL_ESTIMATORS, KLRewardPenalty, kl_estimator, kl_k1, kl_k2, kl_k3
 
-__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]
+__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "KL_ESTIMATORS", "KLRewardPenalty", "kl_estimator", "kl_k1", "kl_k2",
+           "kl_k3"]

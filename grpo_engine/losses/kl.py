@@ -39,6 +39,7 @@ is applied (verl clamps the log-ratio to ±20); callers mask padded positions be
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -142,3 +143,38 @@ def kl_estimator(name: str) -> KLEstimator:
             f"kl_estimator={name!r} is not one of {tuple(KL_ESTIMATORS)}; pick one of them "
             "(k3 is GRPO's, k2 has the true reverse-KL gradient)"
         ) from None
+
+
+@dataclass(frozen=True)
+class KLRewardPenalty:
+    """KL to the reference subtracted from the reward (PPO / RLHF style) instead of added to the loss.
+
+    For each completion i the sequence penalty is ``coef * Σ_t k(logp_old_it, ref_it)`` over its
+    kept tokens, with ``logp_old`` the log-probs of the policy that sampled; the trainer
+    subtracts it from the completion's total reward *before* advantages are computed, so it
+    shapes the advantage rather than the gradient directly (verl's ``compute_rewards``:
+    r_t ← r_t − β·(log π_old − log π_ref), summed here because GRPO's reward is per completion).
+    The default estimator is k1 as in PPO; k3 gives a non-negative penalty.
+
+    Args:
+        coef: β > 0.
+        estimator: "k1", "k2" or "k3".
+
+    Example:
+        >>> pen = KLRewardPenalty(coef=0.5)
+        >>> pen(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]]), torch.tensor([[True, True]]))
+        tensor([0.2500])
+    """
+
+    coef: float
+    estimator: str = "k1"
+
+    def __post_init__(self) -> None:
+        if not self.coef > 0:
+            raise ValueError(f"coef={self.coef!r} must be > 0; a zero penalty is no KLRewardPenalty at all")
+        kl_estimator(self.estimator)  # raises on unknown names
+
+    def __call__(self, old_logprobs: Tensor, ref_logprobs: Tensor, completion_mask: Tensor) -> Tensor:
+        """[N] penalties from [N, C] log-probs and mask."""
+        per_token = kl_estimator(self.estimator)(old_logprobs, ref_logprobs)
+        return self.coef * torch.where(completion_mask, per_token, torch.zeros_like(per_token)).sum(dim=1)
