@@ -86,7 +86,9 @@ class Preset:
     measured_steps: int = 3
     repetitions: int = 2
     worker_timeout_s: float = 600.0
-    threads: int | None = None  # CPU threads of torch (None = every core)
+    # torch CPU threads (None = every core). The CPU presets use 1: on a shared 2-core machine a second
+    # busy process stalls a 2-thread OpenMP pool at every barrier (steps measured 5-10x slower).
+    threads: int | None = None
     seed: int = 0
 
 
@@ -95,9 +97,9 @@ PRESETS: dict[str, Preset] = {
                     micro_batch_size=2, warmup_steps=1, measured_steps=2, repetitions=1, worker_timeout_s=300,
                     threads=1),
     "cpu-small": Preset("llama-small", prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=64,
-                        micro_batch_size=4, warmup_steps=1, measured_steps=4, repetitions=2),
+                        micro_batch_size=4, warmup_steps=1, measured_steps=4, repetitions=2, threads=1),
     "cpu-logits": Preset("qwen2-logits", prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=64,
-                         micro_batch_size=4, warmup_steps=1, measured_steps=3, repetitions=2),
+                         micro_batch_size=4, warmup_steps=1, measured_steps=3, repetitions=2, threads=1),
     "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="bfloat16", prompts_per_step=8, group_size=8,
                        prompt_tokens=128, completion_tokens=512, micro_batch_size=16, learning_rate=1e-6,
                        warmup_steps=1, measured_steps=2, repetitions=1, worker_timeout_s=100),
@@ -413,7 +415,8 @@ def worker(engine: str, p: Preset) -> dict:
     med = {k: statistics.median(r[k] for r in measured) for k in ("step_s", *STAGES)}
     generated = statistics.median(r["generated_tokens"] for r in measured)
     return {
-        "engine": engine, "step_s": med["step_s"], "stages": {k: med[k] for k in STAGES},
+        "engine": engine, "step_s": med["step_s"], "step_s_min": min(r["step_s"] for r in measured),
+        "stages": {k: med[k] for k in STAGES},
         "tokens_per_s": generated / med["generation_s"] if med["generation_s"] else None,
         "e2e_tokens_per_s": generated / med["step_s"], "generated_tokens_per_step": generated,
         **{k: f(r[k] for r in raw["rows"]) for k, f in (("prompt_tokens_min", min), ("prompt_tokens_max", max),
@@ -473,8 +476,9 @@ def floor(p: Preset) -> dict:
 
 def _aggregate(runs: list[dict], fl: dict) -> dict:
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
-    out = {"step_s": med("step_s"), "stages": {k: statistics.median(r["stages"][k] for r in runs) for k in STAGES},
-           "tokens_per_s": med("tokens_per_s"), "e2e_tokens_per_s": med("e2e_tokens_per_s"),
+    out = {"step_s": med("step_s"), "step_s_min": min(r["step_s_min"] for r in runs),
+           "stages": {k: statistics.median(r["stages"][k] for r in runs) for k in STAGES},
+           "generated_tokens_per_step": med("generated_tokens_per_step"),
            "peak_mib": med("peak_mib"), "baseline_mib": med("baseline_mib"),
            "peak_above_baseline_mib": med("peak_above_baseline_mib"), "peak_scope": runs[0]["peak_scope"],
            "trainable_params": runs[0]["trainable_params"], "settings": runs[0]["settings"],
@@ -482,9 +486,11 @@ def _aggregate(runs: list[dict], fl: dict) -> dict:
                                  max(r["completion_tokens_max"] for r in runs)],
            "prompt_tokens": [min(r["prompt_tokens_min"] for r in runs), max(r["prompt_tokens_max"] for r in runs)],
            "step_s_runs": [r["step_s"] for r in runs], "peak_mib_runs": [r["peak_mib"] for r in runs]}
+    gen_s = out["stages"]["generation_s"]
+    out["tokens_per_s"] = out["generated_tokens_per_step"] / gen_s if gen_s else None
+    out["e2e_tokens_per_s"] = out["generated_tokens_per_step"] / out["step_s"]
     train_s = out["stages"]["loss_backward_s"]
     out["train_tflops"] = fl["train_flops_per_step"] / train_s / 1e12 if train_s else None
-    gen_s = out["stages"]["generation_s"]
     completion_tokens = out["completion_tokens"][1]
     out["decode_weight_gbps"] = (fl["decode_weight_bytes_per_token_step"] * completion_tokens / gen_s / 1e9
                                  if gen_s else None)
@@ -579,14 +585,14 @@ def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, bu
 
 def _summary(r: dict) -> str:
     lines = [f"preset {r['preset']} on {r['hardware']}"]
-    head = f"{'':10}{'step s':>9}{'gen s':>9}{'logp s':>9}{'fwd+bwd s':>11}{'optim s':>9}{'other s':>9}"
+    head = f"{'':10}{'step s':>9}{'min s':>9}{'gen s':>9}{'logp s':>9}{'fwd+bwd s':>11}{'optim s':>9}{'other s':>9}"
     lines.append(head + f"{'gen tok/s':>11}{'peak MiB':>10}{'+base MiB':>11}")
     for engine in ("ours", "trl"):
         e = r.get(engine)
         if not e:
             continue
         st = e["stages"]
-        lines.append(f"{engine:10}{e['step_s']:9.2f}{st['generation_s']:9.2f}{st['logprobs_s']:9.2f}"
+        lines.append(f"{engine:10}{e['step_s']:9.2f}{e['step_s_min']:9.2f}{st['generation_s']:9.2f}{st['logprobs_s']:9.2f}"
                      f"{st['loss_backward_s']:11.2f}{st['optimizer_s']:9.2f}{st['other_s'] + st['reward_s']:9.2f}"
                      f"{e['tokens_per_s']:11.1f}{e['peak_mib']:10.0f}{e['peak_above_baseline_mib']:11.0f}")
     if r.get("ratio_step_time") is not None:

@@ -34,6 +34,11 @@ its mean is not 0: a group whose rewards are all equal then gets the nonzero adv
 -mean_tok / std_tok there, and exactly 0 here. With equal lengths L the two agree except for the
 Bessel factor (N / (N - 1) here, N L / (N L - 1) in verl, N = B * G) and the place of eps.
 
+``EntropyScaled`` (SEED-GRPO, Chen et al. 2025, arXiv 2505.12346) multiplies a base advantage
+(``GroupNormalized()`` by default) by a decreasing function of the group's normalised semantic
+entropy u in [0, 1]: A_bg = base(r)_bg * f(strength * u_b), so uncertain prompts get smaller
+updates and confident ones keep (close to) the full signal; see its docstring for the choices of f.
+
 Choices shared by all estimators:
 
 * every std is the unbiased one (Bessel, divide by n - 1), as ``torch.std``, TRL and verl use;
@@ -43,19 +48,24 @@ Choices shared by all estimators:
   gives, since the batch mean of the centred rewards is 0);
 * G = 1 is rejected (every advantage would be 0; RLOO's baseline is undefined), unlike verl's
   mean 0 / std 1 fallback;
-* ``uncertainty`` is accepted for the ``AdvantageFn`` protocol and ignored;
+* ``uncertainty`` is accepted for the ``AdvantageFn`` protocol and ignored (except by ``EntropyScaled``);
 * computation is in float32, or float64 for float64 rewards. Pure: no ``.item()``, no logging.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-__all__ = ["GroupNormalized", "MeanBaseline", "RLOO", "ReinforcePlusPlusBaseline", "zero_std_fraction"]
+from grpo_engine.protocols import AdvantageFn
+
+__all__ = [
+    "GroupNormalized", "MeanBaseline", "RLOO", "ReinforcePlusPlusBaseline", "EntropyScaled", "zero_std_fraction",
+]
 
 StdScope = Literal["group", "batch", "none"]
 
@@ -216,6 +226,93 @@ class ReinforcePlusPlusBaseline:
         centered = _zero_where(equal, centered)
         whitened = (centered - centered.mean()) / (centered.std(correction=1) + self.eps)
         return _zero_where(equal, whitened)
+
+
+_SCALINGS: dict[str, Callable[[Tensor], Tensor]] = {
+    "linear": lambda x: (1.0 - x).clamp(min=0.0),
+    "exponential": lambda x: torch.exp(-x),
+    "inverse": lambda x: 1.0 / (1.0 + x),
+}
+
+
+@dataclass(frozen=True)
+class EntropyScaled:
+    """SEED-GRPO-style advantages: a base advantage scaled down by each group's semantic uncertainty.
+
+    A_bg = base(rewards)_bg * f(strength * u_b), with u [B] the normalised uncertainty passed by
+    the trainer (``SemanticEntropy(normalize=True)``, in [0, 1]) and f decreasing with f(0) = 1,
+    so a group with u = 0 keeps its base advantage exactly. Built-in f:
+
+    * ``"linear"``: f(x) = max(1 - x, 0); clipped at 0 so that strength * u > 1 switches the group
+      off rather than flipping the sign of its advantages.
+    * ``"exponential"``: f(x) = exp(-x).
+    * ``"inverse"``: f(x) = 1 / (1 + x), the form of the third-party SEED-GRPO reproduction
+      (``maxent_grpo``: scale 1 / (1 + alpha * SE / ln G)).
+
+    The paper (Chen et al. 2025, arXiv 2505.12346) is summarised as A_i * f(alpha * SE / SE_max)
+    with "linear", "exponential" and "focal" variants of f; their exact parameterisations, and the
+    official alpha, were not verified (FIELD_NOTES A.14), so these built-ins are our choices, and
+    "focal" is not provided (pass a callable). The paper's base is Dr. GRPO's mean-only
+    advantage: ``EntropyScaled(base=MeanBaseline())``.
+
+    Args:
+        base: the advantage to scale (any ``AdvantageFn``); it receives the same ``uncertainty``.
+        strength: >= 0, the sensitivity (alpha); 0 gives the base advantage unchanged.
+        fn: ``"linear"``, ``"exponential"``, ``"inverse"``, or a callable mapping x [B] to
+            factors [B] (elementwise, decreasing, f(0) = 1 expected).
+
+    Example:
+        >>> adv = EntropyScaled(base=MeanBaseline(), strength=1.0, fn="linear")
+        >>> adv(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), uncertainty=torch.tensor([0.0, 0.25]))
+        tensor([[ 0.5000, -0.5000],
+                [ 0.3750, -0.3750]])
+    """
+
+    base: AdvantageFn = field(default_factory=GroupNormalized)
+    strength: float = 1.0
+    fn: Callable[[Tensor], Tensor] | str = "linear"
+
+    def __post_init__(self) -> None:
+        s = self.strength
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < float("inf"):
+            raise ValueError(f"EntropyScaled: strength={s!r} must be a finite number >= 0; for example strength=1.0")
+        if isinstance(self.fn, str) and self.fn not in _SCALINGS:
+            raise ValueError(f"EntropyScaled: fn={self.fn!r} must be one of {sorted(_SCALINGS)} or a callable "
+                             "mapping Tensor -> Tensor; for example fn='linear'")
+        if not isinstance(self.fn, str) and not callable(self.fn):
+            raise ValueError(f"EntropyScaled: fn={self.fn!r} must be a name in {sorted(_SCALINGS)} or a callable")
+
+    def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
+        """Base advantages [B, G] times the per-group factor f(strength * uncertainty) [B].
+
+        Args:
+            rewards: [B, G] total reward of each completion.
+            uncertainty: [B] normalised uncertainty, expected in [0, 1] (not checked: that would
+                need a device sync).
+
+        Returns:
+            [B, G] advantages in the base advantages' dtype.
+
+        Raises:
+            ValueError: if ``uncertainty`` is None or not shaped [B], or ``fn`` returns another shape.
+        """
+        if uncertainty is None:
+            raise ValueError(
+                "EntropyScaled needs a per-group uncertainty but got None; pass "
+                "entropy=SemanticEntropy(normalize=True) (from grpo_engine.entropy) to the trainer"
+            )
+        if rewards.dim() != 2 or tuple(uncertainty.shape) != (rewards.shape[0],):
+            raise ValueError(
+                f"EntropyScaled: uncertainty shape {tuple(uncertainty.shape)} must be [B]=({rewards.shape[0]},) "
+                f"for rewards of shape {tuple(rewards.shape)} [B, G]: one value per prompt"
+            )
+        advantages = self.base(rewards, uncertainty=uncertainty)
+        f = _SCALINGS[self.fn] if isinstance(self.fn, str) else self.fn
+        factor = f(self.strength * uncertainty.to(device=advantages.device, dtype=advantages.dtype))
+        if tuple(factor.shape) != (rewards.shape[0],):
+            raise ValueError(f"EntropyScaled: fn returned shape {tuple(factor.shape)}; it must map x [B] to [B] "
+                             "elementwise")
+        return advantages * factor.unsqueeze(1)
 
 
 def zero_std_fraction(rewards: Tensor) -> Tensor:

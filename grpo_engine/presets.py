@@ -61,18 +61,21 @@ def dr_grpo(max_completion_tokens: int, clip_eps: float = 0.2) -> Recipe:
                                                    max_completion_tokens=max_completion_tokens))
 
 
-def dapo(max_completion_tokens: int, cache_tokens: int, max_sampling_rounds: int = 3) -> Recipe:
+def dapo(max_completion_tokens: int, cache_tokens: int, max_sampling_rounds: int = 3,
+         accuracy_key: str | None = "math_accuracy") -> Recipe:
     """DAPO: clip-higher, token-level loss, dynamic sampling and soft overlong punishment, no KL.
 
     Args:
         max_completion_tokens: the generation limit L_max (the config's ``max_completion_tokens``).
         cache_tokens: L_c, the soft-punishment band before L_max.
         max_sampling_rounds: bound on dynamic-sampling rounds per step.
+        accuracy_key: the reward whose groups must not tie (DAPO filters on accuracy, not on the
+            total that includes the overlong penalty); None filters on the total.
     """
     return Recipe(
         GroupNormalized(),
         ClippedSurrogate(clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token"),
-        dynamic_sampling=DynamicSampling(max_rounds=max_sampling_rounds),
+        dynamic_sampling=DynamicSampling(max_rounds=max_sampling_rounds, key=accuracy_key),
         extra_rewards=(OverlongPenalty(max_completion_tokens, cache_tokens),),
     )
 

@@ -76,3 +76,14 @@ def test_concat_repads_prompts_left_and_completions_right():
     assert torch.equal(both.sampler_logprobs[2:, :3], b.sampler_logprobs)
     picked, rewards = select_groups(both, RewardOutput(torch.tensor([[1.0, 0.0], [0.0, 1.0]])), torch.tensor([1]))
     assert torch.equal(picked.completion_ids, both.completion_ids[2:]) and rewards.total.tolist() == [[0, 1]]
+
+
+def test_filter_on_one_reward_of_the_breakdown():
+    """Totals differ in both groups, but accuracy ties in the first: only the second is kept."""
+    batch, _ = fake_batch([[1, 1], [1, 0]], 0)
+    rewards = RewardOutput(total=torch.tensor([[0.9, 1.0], [1.0, 0.0]]),
+                           breakdown={"acc": torch.tensor([[1.0, 1.0], [1.0, 0.0]])})
+    kept, kept_rewards, stats = DynamicSampling(max_rounds=1, key="acc")(lambda k: (batch, rewards), 2)
+    assert [p.question for p in kept.prompts] == ["p1"] and stats["dynamic_sampling/groups_kept"] == 1
+    with pytest.raises(KeyError, match="key='nope'"):
+        DynamicSampling(max_rounds=1, key="nope")(lambda k: (batch, rewards), 2)

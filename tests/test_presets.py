@@ -19,7 +19,7 @@ def test_each_preset_sets_what_its_paper_sets():
     assert d.loss == ClippedSurrogate(aggregation="constant", max_completion_tokens=256)
     dapo = presets.dapo(256, 64)
     assert dapo.loss == ClippedSurrogate(clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token")
-    assert dapo.dynamic_sampling == DynamicSampling(max_rounds=3)
+    assert dapo.dynamic_sampling == DynamicSampling(max_rounds=3, key="math_accuracy")
     assert isinstance(dapo.extra_rewards[0], OverlongPenalty)
     assert presets.gspo().loss == GSPO(clip_eps_low=3e-4, clip_eps_high=4e-4)
     assert presets.cispo().loss == CISPO(clip_eps_high=4.0)
@@ -30,8 +30,9 @@ def test_each_preset_sets_what_its_paper_sets():
 def test_each_preset_runs_a_step(tmp_path, name):
     from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
 
-    recipe = {"dr_grpo": lambda: presets.dr_grpo(8), "dapo": lambda: presets.dapo(8, 4)}.get(
-        name, getattr(presets, name))()
+    special = {"dr_grpo": lambda: presets.dr_grpo(8),
+               "dapo": lambda: presets.dapo(8, 4, accuracy_key="digit_share")}
+    recipe = special.get(name, getattr(presets, name))()
     tokenizer = char_tokenizer()
     trainer = GRPOTrainer(
         tiny_llama(len(tokenizer)), [DigitShare(), *recipe.extra_rewards], PROMPTS, tokenizer=tokenizer,

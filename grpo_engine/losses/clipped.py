@@ -32,6 +32,19 @@ Per valid token t of completion i (``logprobs`` with gradient, ``old``/``ref`` w
   - ``"constant"`` (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783, as TRL's ``dr_grpo``):
     Σ_it ℓ_it m_it / (num_sequences · max_completion_tokens)
 
+* High-entropy tokens only (``top_entropy_quantile`` = ρ, off by default; "Beyond the 80/20
+  rule", Wang et al. 2025, arXiv 2506.01939, as TRL's ``top_entropy_quantile``): the surrogate
+  term ℓ^PG_it is kept only where H_it >= the (1 - ρ) quantile (linear interpolation, as
+  ``torch.quantile``) of the valid tokens' entropies, and is 0 elsewhere (see
+  :func:`grpo_engine.entropy.token.high_entropy_mask`). The entropies are ``batch.entropy``
+  detached: the mask carries no gradient. The aggregation counts are unchanged (a dropped token
+  still counts in its denominator, as in TRL). The KL and entropy-bonus terms act on every valid
+  token (TRL restricts its entropy bonus to the kept tokens, and takes a plain token mean of
+  them). The quantile is over the tokens of the micro-batch, as TRL computes it over each
+  optimizer micro-batch (gathered across processes there); it is the step-wide quantile of the
+  paper only when the micro-batch is the whole step (``micro_batch_size = completions_per_step``,
+  one process), and in general the gradient depends on how the step is cut into micro-batches.
+  With ``mask_truncated`` the quantile is over non-truncated rows only (as in TRL).
 * Truncated completions: kept by default. With ``mask_truncated=True`` (DAPO's overlong
   filtering) a row with ``batch.is_truncated`` True adds nothing to loss, gradient or metrics,
   and :meth:`ClippedSurrogate.counts` leaves it out of both step counts, so it is filtered out
@@ -64,6 +77,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from grpo_engine.entropy.token import high_entropy_mask
 from grpo_engine.losses import _common as common
 from grpo_engine.types import LossOutput, MicroBatch
 
@@ -89,6 +103,10 @@ class ClippedSurrogate:
         mask_truncated: drop completions with ``batch.is_truncated`` (DAPO overlong filtering);
             pass the counts of :meth:`counts` so the step counts leave them out too.
         entropy_coef: coefficient >= 0 of the entropy bonus (needs ``batch.entropy``).
+        tis_cap: cap of the truncated importance weight π_old / π_sampler; None is off.
+        top_entropy_quantile: ρ in [0, 1]: train the surrogate only on the top-ρ fraction of
+            the micro-batch's valid tokens by entropy (the paper uses 0.2; 1 keeps every
+            token); None is off. Needs ``batch.entropy``.
 
     Example:
         >>> from grpo_engine.types import MicroBatch
@@ -111,6 +129,7 @@ class ClippedSurrogate:
     mask_truncated: bool = False
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    top_entropy_quantile: float | None = None
 
     def __post_init__(self) -> None:
         if self.clip_eps_high is None:
@@ -138,6 +157,9 @@ class ClippedSurrogate:
             )
         if self.tis_cap is not None and not self.tis_cap > 0:
             problems.append(f"tis_cap={self.tis_cap!r} must be > 0; use e.g. 2.0, or None to turn it off")
+        if self.top_entropy_quantile is not None and not 0.0 <= self.top_entropy_quantile <= 1.0:
+            problems.append(f"top_entropy_quantile={self.top_entropy_quantile!r} must be in [0, 1] (the fraction "
+                            "of tokens kept); the paper uses 0.2, None turns it off")
         problems.extend(common.check_kl_estimator(self.kl_estimator))
         if problems:
             raise ValueError("invalid ClippedSurrogate: " + "; ".join(problems))
@@ -154,15 +176,21 @@ class ClippedSurrogate:
 
     @property
     def requires_entropy(self) -> bool:
-        """True when ``entropy_coef > 0``: the trainer must supply ``batch.entropy``."""
-        return self.entropy_coef > 0
+        """True when ``entropy_coef > 0`` or ``top_entropy_quantile`` is set: the trainer must
+        supply ``batch.entropy``."""
+        return self.entropy_coef > 0 or self.top_entropy_quantile is not None
 
     @property
     def needs_zero_advantage_rows(self) -> bool:
-        """False when ``kl_coef == 0`` and ``entropy_coef == 0``: a completion with advantage 0
-        then adds exactly 0 to the loss, the gradient and every metric, so the trainer may skip
-        its forward and backward."""
-        return self.kl_coef > 0 or self.entropy_coef > 0
+        """False when ``kl_coef == 0``, ``entropy_coef == 0`` and ``top_entropy_quantile`` is
+        None: a completion with advantage 0 then adds exactly 0 to the loss, the gradient and
+        every metric, so the trainer may skip its forward and backward.
+
+        With ``top_entropy_quantile`` set it is True even without KL or bonus: a row with
+        advantage 0 adds nothing by itself, but its tokens take part in the micro-batch's
+        entropy quantile, so leaving it out moves the threshold and changes which tokens of
+        the other rows are kept."""
+        return self.kl_coef > 0 or self.entropy_coef > 0 or self.top_entropy_quantile is not None
 
     def counts(self, completion_mask: Tensor, is_truncated: Tensor | None = None) -> tuple[int, int]:
         """Step-global ``(num_valid_tokens, num_sequences)`` to pass to every call of the step.
@@ -204,7 +232,7 @@ class ClippedSurrogate:
             batch: the micro-batch; its ``completion_mask`` [n, C], ``advantages`` [n],
                 ``old_logprobs`` [n, C] or None, ``ref_logprobs`` [n, C] (when
                 ``kl_coef > 0``), ``is_truncated`` [n] (with ``mask_truncated``) and
-                ``entropy`` [n, C] (when ``entropy_coef > 0``) are used. ``old``/``ref`` are
+                ``entropy`` [n, C] (when ``requires_entropy``) are used. ``old``/``ref`` are
                 detached; ``entropy`` keeps its gradient.
             num_valid_tokens: valid tokens over the whole step (>= 1), from :meth:`counts`.
             num_sequences: completions in the whole step (>= 1), from :meth:`counts`.
@@ -215,9 +243,11 @@ class ClippedSurrogate:
             ``clip_fraction`` (valid tokens whose surrogate gradient a clip cuts: the ε clip
             is the active minimum, or the ratio exceeds δ with A != 0), ``kl`` (token mean of
             the estimator, when ``kl_coef > 0``) and ``entropy`` (token mean, when
-            ``entropy_coef > 0``). With ``kl_coef == entropy_coef == 0`` rows with advantage 0
-            contribute 0 to every metric, so a trainer that skips them (see
-            ``needs_zero_advantage_rows``) still reports exact step values.
+            ``entropy_coef > 0``) and ``high_entropy_fraction`` (valid tokens kept by the
+            ``top_entropy_quantile`` mask, when set). With ``kl_coef == entropy_coef == 0``
+            and no ``top_entropy_quantile``, rows with advantage 0 contribute 0 to every
+            metric, so a trainer that skips them (see ``needs_zero_advantage_rows``) still
+            reports exact step values. Under the mask, ``clip_fraction`` counts kept tokens only.
 
         Raises:
             ValueError: for counts < 1, mismatched shapes, or a missing ``ref_logprobs``,
@@ -244,6 +274,11 @@ class ClippedSurrogate:
         is_clipped = clipped_obj < unclipped_obj
         if self.delta is not None:
             is_clipped = is_clipped | ((ratio > self.delta) & (adv != 0))
+        if self.top_entropy_quantile is not None:  # forking tokens only (80/20): no gradient elsewhere
+            high = high_entropy_mask(entropy.detach(), mask, self.top_entropy_quantile)
+            policy_token = torch.where(high, policy_token, torch.zeros((), dtype=logp.dtype, device=logp.device))
+            is_clipped = is_clipped & high
+            metrics["high_entropy_fraction"] = high.sum().to(logp.dtype) / num_valid_tokens
         token_loss = policy_token
         if self.kl_coef > 0:
             kl = common.kl_tokens(self.kl_estimator, logp, batch.ref_logprobs, mask)
@@ -270,10 +305,13 @@ class ClippedSurrogate:
         if self.mask_truncated and batch.is_truncated is None:
             extra.append("mask_truncated=True needs batch.is_truncated, which is None; "
                          "pass the [n] truncation flags or set mask_truncated=False")
-        if self.entropy_coef > 0 and entropy is None:
-            extra.append(f"entropy_coef={self.entropy_coef} needs batch.entropy [n, C], which is "
-                         "missing; compute token entropies or set entropy_coef=0")
-        elif self.entropy_coef > 0 and tuple(entropy.shape) != tuple(logprobs.shape):
+        if self.requires_entropy and entropy is None:
+            users = [f"entropy_coef={self.entropy_coef}"] if self.entropy_coef > 0 else []
+            if self.top_entropy_quantile is not None:
+                users.append(f"top_entropy_quantile={self.top_entropy_quantile}")
+            extra.append(f"{' and '.join(users)} needs batch.entropy [n, C], which is missing; compute token "
+                         "entropies (completion_logprobs(..., with_entropy=True)) or turn the option off")
+        elif self.requires_entropy and tuple(entropy.shape) != tuple(logprobs.shape):
             extra.append(f"entropy shape {tuple(entropy.shape)} must equal logprobs shape "
                          f"{tuple(logprobs.shape)}; pass one entropy per completion token")
         common.check_call("ClippedSurrogate", logprobs, batch, num_valid_tokens, num_sequences,

@@ -6,7 +6,9 @@ still dilutes the step) and keeps sampling fresh prompts until the batch is full
 
 Rules implemented by :class:`DynamicSampling`:
 
-- A group is kept iff its total rewards are not all equal (for 0/1 accuracy: 0 < accuracy < 1).
+- A group is kept iff its rewards are not all equal: the total reward by default, or one
+  reward of the breakdown with ``key`` (``key="math_accuracy"`` keeps exactly DAPO's
+  0 < accuracy < 1 even when other rewards, such as an overlong penalty, vary within a group).
 - Round 1 samples ``B`` prompts. Each further round samples as many fresh prompts as groups are
   still missing, up to ``max_rounds`` rounds in all (the bound keeps a step's cost finite when the
   task is far too easy or too hard).
@@ -36,12 +38,14 @@ class DynamicSampling:
 
     Args:
         max_rounds: sampling rounds per step at most (>= 1; 1 only filters).
+        key: the breakdown reward to filter on (e.g. "math_accuracy"); None filters on the total.
 
     Example:
         >>> # trainer = GRPOTrainer(..., dynamic_sampling=DynamicSampling(max_rounds=3))
     """
 
     max_rounds: int = 3
+    key: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_rounds < 1:
@@ -64,7 +68,11 @@ class DynamicSampling:
             rounds += 1
             sampled += batch.num_prompts
             all_totals.append(rewards.total.reshape(-1))
-            informative = (rewards.total != rewards.total[:, :1]).any(dim=1).nonzero().flatten()
+            if self.key is not None and self.key not in rewards.breakdown:
+                raise KeyError(f"DynamicSampling(key={self.key!r}) but the rewards are "
+                               f"{sorted(rewards.breakdown)}; use one of those names or key=None")
+            signal = rewards.total if self.key is None else rewards.breakdown[self.key]
+            informative = (signal != signal[:, :1]).any(dim=1).nonzero().flatten()
             informative = informative[: num_prompts - kept]
             if informative.numel():
                 kept_batch, kept_reward = select_groups(batch, rewards, informative)
