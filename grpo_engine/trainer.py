@@ -112,7 +112,7 @@ class GRPOTrainer:
             self.model, tokenizer, template=template, max_prompt_tokens=config.max_prompt_tokens,
             max_completion_tokens=config.max_completion_tokens, temperature=config.temperature,
             top_p=config.top_p, top_k=config.top_k,
-            return_logprobs=bool(getattr(loss, "requires_sampler_logprobs", False)),
+            return_logprobs=any(getattr(c, "requires_sampler_logprobs", False) for c in (loss, entropy)),
         )
         self.advantage = advantage if advantage is not None else GroupNormalized()
         self.loss = loss if loss is not None else ClippedSurrogate()
@@ -175,11 +175,11 @@ class GRPOTrainer:
             with timer("reward"):
                 return batch, self.rewards(batch)
 
-        sampling_stats: dict[str, float] = {}
+        step_stats: dict[str, float] = {}
         if self.dynamic_sampling is None:
             batch, rewards = draw(cfg.prompts_per_step)
         else:  # stages 1-2 repeat until the batch is full of groups with a learning signal
-            batch, rewards, sampling_stats = self.dynamic_sampling(draw, cfg.prompts_per_step)
+            batch, rewards, step_stats = self.dynamic_sampling(draw, cfg.prompts_per_step)
 
         # 3. old and reference log-probs, without gradient and only when needed
         with timer("logprobs"):
@@ -198,6 +198,8 @@ class GRPOTrainer:
         # 4. uncertainty (optional) and advantages
         uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
         advantages = self.advantage(rewards.total, uncertainty=uncertainty).reshape(-1)  # [N]
+        if uncertainty is not None:
+            step_stats["entropy/semantic_mean"] = uncertainty.float().mean().item()
 
         # 5. micro-batched loss and backward, 6. optimizer step (mu times on this batch)
         loss_metrics: dict[str, float] = {}
@@ -212,7 +214,7 @@ class GRPOTrainer:
         if cfg.eval_every_steps and self.eval_prompts and self.step_count % cfg.eval_every_steps == 0:
             with timer("eval"):
                 held_out = self.evaluate()
-        metrics = {**self._batch_metrics(batch, rewards), **sampling_stats, **loss_metrics, **held_out,
+        metrics = {**self._batch_metrics(batch, rewards), **step_stats, **loss_metrics, **held_out,
                    **timer.seconds()}
         metrics["lr"] = lr
         metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)

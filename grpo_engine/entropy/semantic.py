@@ -93,7 +93,7 @@ def cluster_answers(
 def sequence_log_likelihood(batch: RolloutBatch) -> Tensor:
     """[N] length-normalised log-likelihood of each completion: mean sampler log-prob over its kept tokens.
 
-    A completion with no kept token gets 0 (an empty sum over one token). The log-probs are at the
+    A completion with no kept token gets 0 (an empty sum, divided by 1). The log-probs are at the
     sampling temperature, as the sampler reports them.
 
     Raises:

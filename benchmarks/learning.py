@@ -1,0 +1,582 @@
+"""Learning per wall-clock second: grpo_engine against TRL on the same task, model and budget.
+
+Both engines train the same model with LoRA on the demo's task for the same training wall time,
+each (engine, seed) in a fresh process, alternating the order (seed 0: ours then trl, seed 1: trl
+then ours, ...). The parent prints a summary, writes ``learning.png`` (held-out accuracy against
+training wall time) and ``report.json`` to ``--out``, and prints one JSON object as its last line:
+``{"task", "budget_s", "ours": {"before", "after", "steps", ...}, "trl": {...}, "delta_after_pts", ...}``.
+
+    python benchmarks/learning.py                       # identical settings, 480 s each, SmolLM2-135M
+    python benchmarks/learning.py --mode defaults --seeds 2 --budget-s 300
+
+The task (exactly the demo's, ``grpo_engine.demo``): ``arithmetic_task(num_train, num_test,
+seed=task_seed)`` (two-digit ``a + b`` / ``a - b``, train and test drawn without replacement from
+one pool, so no problem is in both; the workers check it), rendered by the tokenizer's chat
+template over one user turn, the question plus " Reply with only the final number." (our
+``ChatTemplate``; TRL gets the same messages as a conversational dataset and renders them with
+the same template; both workers report the token ids of the first training prompt and the parent
+fails when they differ). Reward: ``MathAccuracy`` (1 iff the last number equals the target), in
+TRL through a reward function calling it. The task is honest when the base model starts between
+10% and 50% greedy accuracy; outside that range the parent warns.
+
+Evaluation, the same function for both (``grpo_engine.eval.greedy_accuracy``, greedy decoding,
+``max_new_tokens`` = the completion limit, ``MathAccuracy`` >= 1 is correct, one generate call
+per evaluation): ``before`` and ``after`` on the whole test split, the base model before the
+trainer is built and the trained (adapter-wrapped) policy after the budget; the curve on the first
+``--eval-subset`` test prompts, at training time 0, every ``--eval-every-s`` seconds of training
+time and at the end. Evaluation runs with the training clock stopped.
+
+Training wall time: ours, the sum of ``trainer.step()`` durations; TRL, the time between
+``on_train_begin`` / consecutive ``on_step_end`` callbacks minus the evaluations inside them.
+Loading the model and building the trainer are not counted. Both stop at the first step end at or
+past ``--budget-s`` (so both overshoot by up to one step). ``steps`` are optimizer steps; a step
+is one generation of B prompts x G completions and one optimizer update on them, for both.
+
+``--mode identical`` (isolates speed and correctness): both engines run
+B = ``--prompts-per-step`` (4), G = ``--group-size`` (8), ``--max-completion-tokens`` (24),
+LoRA r 16, alpha 32, dropout 0 on every linear layer but the lm_head, lr 1e-4 constant with no
+warm-up, AdamW (torch, betas 0.9 / 0.99, eps 1e-8, no weight decay), gradient clipping at 1.0,
+temperature 1.0 with no top-p / top-k, one update per batch (mu = 1), PPO clip 0.2, no KL, group
+z-score advantages (eps 1e-4, TRL's), token-mean loss aggregation over the step (ours
+``ClippedSurrogate(aggregation="token")`` = TRL's default ``loss_type="dapo"``), float32 without
+autocast, no gradient checkpointing, the same micro-batch (``--micro-batch-size``, default the
+demo's 16, reduced to gcd with B*G). TRL mapping: ``num_generations=G``,
+``per_device_train_batch_size=m`` (completions per forward/backward),
+``gradient_accumulation_steps=B*G/m`` and ``steps_per_generation`` left to default to it, so one
+optimizer step consumes exactly the B*G completions of one generation (``benchmarks/perf.py``'s
+mapping). The workers read back what each engine holds and the parent fails when it differs.
+
+``--mode defaults`` (each engine as its users get it):
+
+- ours: ``DemoSettings()`` (lr 3e-4, temperature 0.7, LoRA r 16 / alpha 32, micro-batch 16,
+  128 prompt tokens) and ``GRPOConfig`` / component defaults for everything else (constant lr,
+  AdamW betas 0.9 / 0.99, clipping 1.0, ``ClippedSurrogate()`` = per-sequence mean, clip 0.2,
+  no KL, ``GroupNormalized()`` with eps 1e-6).
+- TRL: ``GRPOConfig()`` defaults except what the task fixes (``num_generations=G``, B*G
+  completions per generation and per optimizer step, ``max_completion_length``, the same LoRA
+  ``peft_config``) and lr 1e-4 (the issue's measured TRL recipe; TRL's default 1e-6 is meant for
+  full fine-tuning). So: temperature 1.0, ``loss_type="dapo"``, linear lr decay over
+  ``max_steps`` (set to 10**6, so the decay within a run is < 0.01%), AdamW betas 0.9 / 0.999,
+  ``per_device_train_batch_size`` 8 (its default, reduced to gcd with B*G),
+  ``gradient_checkpointing=True`` and ``bf16=True`` (TRL's defaults; on a CPU bf16 autocast of
+  the training forward pass).
+
+Settings that are not about learning, the same in both modes: TRL ``report_to="none"``,
+``save_strategy="no"``, ``logging_steps=1`` (to record its mean reward per step),
+``disable_tqdm``, ``use_cpu`` on the CPU, ``log_completions=False``, ``max_steps=10**6`` (the
+budget callback stops it); ours ``max_steps=10**9`` (the loop stops it), no progress bar, nothing
+saved. Prompt order differs (each engine shuffles with its own seeded sampler).
+
+Not the same by construction, and reported as such: how each engine generates (ours prefills a
+prompt once per group; TRL generates the B*G rows through ``generate``), and the stop tokens
+(each engine's own rule, reported as ``eos_ids``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _path in (str(HERE), str(ROOT)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from perf import _checkpointing, _hardware, _lora_settings, _versions, _weights_dtype  # noqa: E402
+
+INSTRUCTION = " Reply with only the final number."  # the demo's (grpo_engine.demo.DemoSettings)
+HONEST_RANGE = (0.10, 0.50)  # greedy accuracy of the base model that keeps the task honest
+ENGINES = ("ours", "trl")
+IDENTICAL = {"learning_rate": 1e-4, "temperature": 1.0, "aggregation": "token", "lora_r": 16, "lora_alpha": 32.0,
+             "advantage_eps": 1e-4, "adam_betas": (0.9, 0.99)}
+TRL_DEFAULTS_LR = 1e-4  # the issue's measured TRL recipe (TRL's own default, 1e-6, is for full fine-tuning)
+TRL_AGGREGATION = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What one worker runs; everything but ``engine``-specific choices is the same for both."""
+
+    model: str
+    mode: str = "identical"  # "identical" or "defaults"
+    seed: int = 0
+    budget_s: float = 480.0
+    task_seed: int = 0
+    num_train: int = 1000
+    num_test: int = 64
+    eval_subset: int = 32
+    eval_every_s: float = 60.0
+    prompts_per_step: int = 4  # B
+    group_size: int = 8  # G
+    max_completion_tokens: int = 24
+    micro_batch_size: int | None = None  # None: the demo's (identical), each engine's own (defaults)
+    device: str = "cpu"
+
+    @property
+    def completions(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+# -- the training clock ---------------------------------------------------------------------------
+
+
+class TrainingClock:
+    """Training wall time with evaluation excluded, and the accuracy curve over it.
+
+    ``step_done(seconds)`` adds one step; once the training time passes the next multiple of
+    ``eval_every_s`` (and the budget is not spent) it evaluates, with the clock stopped.
+    """
+
+    def __init__(self, budget_s: float, eval_every_s: float, evaluate: Callable[[], float]) -> None:
+        self.budget_s = budget_s
+        self.eval_every_s = eval_every_s if eval_every_s > 0 else math.inf
+        self.evaluate = evaluate
+        self.train_s = 0.0
+        self.eval_s = 0.0
+        self.step_s: list[float] = []
+        self.curve: list[dict[str, float]] = []
+        self._next_eval = self.eval_every_s
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_s)
+
+    @property
+    def spent(self) -> bool:
+        return self.train_s >= self.budget_s
+
+    def checkpoint(self) -> None:
+        start = time.perf_counter()
+        accuracy = self.evaluate()
+        self.eval_s += time.perf_counter() - start
+        self.curve.append({"train_s": self.train_s, "step": self.steps, "accuracy": accuracy})
+        print(f"[{self.steps} steps, {self.train_s:.1f} s] subset accuracy {accuracy:.3f}", file=sys.stderr,
+              flush=True)
+
+    def step_done(self, seconds: float) -> None:
+        self.train_s += seconds
+        self.step_s.append(seconds)
+        if not self.spent and self.train_s >= self._next_eval:
+            self.checkpoint()
+            self._next_eval = (math.floor(self.train_s / self.eval_every_s) + 1) * self.eval_every_s
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "train_s": self.train_s, "eval_s": self.eval_s,
+                "step_s_mean": self.train_s / self.steps if self.steps else None,
+                "step_s_median": statistics.median(self.step_s) if self.steps else None,
+                "step_s": self.step_s, "curve": self.curve}
+
+
+# -- what both workers share ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Setup:
+    """The model, tokenizer, task and evaluation of one worker."""
+
+    model: object
+    tokenizer: object
+    train: list
+    test: list
+    template: object
+    reward: object
+    spec: Spec
+
+    def accuracy(self, policy, prompts) -> float:
+        from grpo_engine.eval import greedy_accuracy
+
+        return greedy_accuracy(policy, self.tokenizer, prompts, self.reward, template=self.template,
+                               max_new_tokens=self.spec.max_completion_tokens, batch_size=len(prompts)).accuracy
+
+    def clock(self, policy: Callable[[], object]) -> TrainingClock:
+        subset = self.test[:self.spec.eval_subset]
+        return TrainingClock(self.spec.budget_s, self.spec.eval_every_s, lambda: self.accuracy(policy(), subset))
+
+
+def _setup(spec: Spec) -> Setup:
+    import torch
+
+    from grpo_engine.data import ChatTemplate, arithmetic_task
+    from grpo_engine.models import load_model
+    from grpo_engine.rewards import MathAccuracy
+
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda but torch {torch.__version__} sees no GPU")
+    model, tokenizer = load_model(spec.model)
+    model = model.to(spec.device).eval()
+    train, test = arithmetic_task(spec.num_train, spec.num_test, seed=spec.task_seed)
+    shared = {p.content for p in train} & {p.content for p in test}
+    if shared:
+        raise SystemExit(f"train and test share {len(shared)} prompts, e.g. {sorted(shared)[0]!r}")
+    return Setup(model, tokenizer, train, test, ChatTemplate(instruction=INSTRUCTION), MathAccuracy(), spec)
+
+
+def _micro(requested: int, completions: int) -> int:
+    """A micro-batch that divides B*G (TRL needs it; ours then does the same work per pass)."""
+    return math.gcd(requested, completions)
+
+
+def _advantage(std_scope: str, eps: float) -> str:
+    return {"group": f"z-score, group std + {eps:g}", "batch": f"z-score, batch std + {eps:g}",
+            "none": "group mean only"}[std_scope]
+
+
+# -- the two workers ------------------------------------------------------------------------------
+
+
+def run_ours(spec: Spec, workdir: str) -> dict:
+    import torch
+
+    from grpo_engine import ClippedSurrogate, GRPOConfig, GRPOTrainer, GroupNormalized, LoRA, MemoryPlan
+    from grpo_engine.demo import DemoSettings
+
+    demo = DemoSettings()
+    s = _setup(spec)
+    before = s.accuracy(s.model, s.test)
+    if spec.mode == "identical":
+        lr, temperature, aggregation = IDENTICAL["learning_rate"], IDENTICAL["temperature"], IDENTICAL["aggregation"]
+        r, alpha, eps = IDENTICAL["lora_r"], IDENTICAL["lora_alpha"], IDENTICAL["advantage_eps"]
+        micro = _micro(spec.micro_batch_size or demo.micro_batch_size, spec.completions)
+        advantage, loss = GroupNormalized(eps=eps), ClippedSurrogate(aggregation=aggregation)
+    else:
+        lr, temperature, r, alpha = demo.learning_rate, demo.temperature, demo.lora_r, 2.0 * demo.lora_r
+        micro = spec.micro_batch_size or demo.micro_batch_size
+        advantage, loss = GroupNormalized(), ClippedSurrogate()
+    torch.manual_seed(spec.seed)
+    config = GRPOConfig(
+        prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
+        max_completion_tokens=spec.max_completion_tokens, max_prompt_tokens=128, max_steps=10**9,
+        temperature=temperature, learning_rate=lr, seed=spec.seed, output_dir=workdir, progress_bar=False,
+    )
+    memory = MemoryPlan(lora=LoRA(r=r, alpha=alpha, dropout=0.0, target_modules="all-linear"),
+                        micro_batch_size=micro)
+    trainer = GRPOTrainer(s.model, [s.reward], s.train, config, memory, tokenizer=s.tokenizer, template=s.template,
+                          advantage=advantage, loss=loss)
+    clock = s.clock(lambda: trainer.model)
+    clock.checkpoint()
+    rewards = []
+    while not clock.spent:
+        start = time.perf_counter()
+        metrics = trainer.step()
+        clock.step_done(time.perf_counter() - start)
+        rewards.append(metrics["reward/mean"])
+    clock.checkpoint()
+    after = s.accuracy(trainer.model, s.test)
+    ids, mask = trainer.sampler.encode_prompts(s.train[:1])
+    settings = {
+        "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
+        "completions_per_optimizer_step": config.completions_per_step, "generations_per_optimizer_step": 1,
+        "micro_batch_size": min(memory.micro_batch_size, config.completions_per_step),
+        "max_completion_tokens": config.max_completion_tokens,
+        "lora": _lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
+        "gradient_checkpointing": _checkpointing(trainer.model), "precision": _weights_dtype(trainer.model),
+        "kl_coef": loss.kl_coef, "clip_eps": [loss.clip_eps_low, loss.clip_eps_high], "aggregation": loss.aggregation,
+        "advantage": _advantage(advantage.std_scope, advantage.eps), "updates_per_batch": config.updates_per_batch,
+        "learning_rate": config.learning_rate, "lr_schedule": config.lr_schedule, "warmup_steps": config.warmup_steps,
+        "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps, "weight_decay": config.weight_decay,
+        "max_grad_norm": config.max_grad_norm, "temperature": config.temperature, "top_p": config.top_p,
+        "top_k": config.top_k, "eos_ids": sorted(trainer.sampler.eos_ids),
+        "optimizer": f"{type(trainer.optimizer).__name__}(fused={trainer.optimizer.defaults.get('fused')})",
+    }
+    return {"before": before, "after": after, **clock.summary(), "reward_mean_per_step": rewards,
+            "settings": settings, "prompt_ids": ids[0][mask[0]].tolist()}
+
+
+def run_trl(spec: Spec, workdir: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    from grpo_engine.types import Prompt
+
+    s = _setup(spec)
+    before = s.accuracy(s.model, s.test)
+    n = spec.completions
+    if spec.mode == "identical":
+        from grpo_engine.demo import DemoSettings
+
+        micro = _micro(spec.micro_batch_size or DemoSettings().micro_batch_size, n)
+        lr, r, alpha = IDENTICAL["learning_rate"], IDENTICAL["lora_r"], IDENTICAL["lora_alpha"]
+        beta1, beta2 = IDENTICAL["adam_betas"]
+        own = dict(temperature=IDENTICAL["temperature"], loss_type="dapo", lr_scheduler_type="constant",
+                   warmup_steps=0, adam_beta1=beta1, adam_beta2=beta2, adam_epsilon=1e-8, weight_decay=0.0,
+                   optim="adamw_torch", max_grad_norm=1.0, bf16=False, fp16=False, gradient_checkpointing=False,
+                   beta=0.0, epsilon=0.2, num_iterations=1, scale_rewards="group", top_p=1.0, top_k=0,
+                   mask_truncated_completions=False)
+    else:
+        default = next(f.default for f in dataclasses.fields(TRLConfig) if f.name == "per_device_train_batch_size")
+        micro = _micro(spec.micro_batch_size or default, n)
+        lr, r, alpha, own = TRL_DEFAULTS_LR, IDENTICAL["lora_r"], IDENTICAL["lora_alpha"], {}
+    args = TRLConfig(
+        output_dir=workdir, num_generations=spec.group_size, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=n // micro, max_completion_length=spec.max_completion_tokens,
+        learning_rate=lr, max_steps=10**6, seed=spec.seed, report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, use_cpu=spec.device == "cpu", log_completions=False, dataloader_num_workers=0, **own,
+    )
+    peft_config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
+                             task_type="CAUSAL_LM", bias="none")
+    data = Dataset.from_list([{"prompt": s.template.messages(p), "target": p.target} for p in s.train])
+
+    def accuracy(completions, target, **kwargs) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return s.reward([Prompt("", target=t) for t in target], texts).tolist()
+
+    torch.manual_seed(spec.seed)
+    trainer = TRLTrainer(s.model, reward_funcs=accuracy, args=args, train_dataset=data, processing_class=s.tokenizer,
+                         peft_config=peft_config)
+    clock = s.clock(lambda: trainer.model)
+    last = [0.0]
+
+    class Budget(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            last[0] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_done(time.perf_counter() - last[0])
+            if clock.spent:
+                control.should_training_stop = True
+            last[0] = time.perf_counter()  # after any evaluation: it is not training time
+
+    trainer.add_callback(Budget())
+    clock.checkpoint()
+    trainer.train()
+    clock.checkpoint()
+    after = s.accuracy(trainer.model, s.test)
+    a = trainer.args
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    settings = {
+        "prompts_per_step": a.generation_batch_size // a.num_generations, "group_size": a.num_generations,
+        "completions_per_optimizer_step": a.per_device_train_batch_size * a.gradient_accumulation_steps,
+        "generations_per_optimizer_step": a.gradient_accumulation_steps // a.steps_per_generation,
+        "micro_batch_size": a.per_device_train_batch_size, "max_completion_tokens": a.max_completion_length,
+        "lora": _lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
+        "gradient_checkpointing": _checkpointing(trainer.model),
+        "precision": _weights_dtype(trainer.model) + (" + bf16 autocast" if a.bf16 else "")
+                     + (" + fp16 autocast" if a.fp16 else ""),
+        "kl_coef": a.beta, "clip_eps": [a.epsilon, a.epsilon_high if a.epsilon_high is not None else a.epsilon],
+        "aggregation": TRL_AGGREGATION.get(a.loss_type, a.loss_type),
+        "advantage": _advantage(a.scale_rewards, 1e-4), "updates_per_batch": a.num_iterations,
+        "learning_rate": a.learning_rate, "lr_schedule": getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type),
+        "warmup_steps": a.warmup_steps, "adam_betas": [a.adam_beta1, a.adam_beta2], "adam_eps": a.adam_epsilon,
+        "weight_decay": a.weight_decay, "max_grad_norm": a.max_grad_norm, "temperature": a.temperature,
+        "top_p": a.top_p, "top_k": a.top_k, "eos_ids": sorted(trainer.eos_token_ids),
+        "optimizer": f"{type(optimizer).__name__}(fused={optimizer.defaults.get('fused')})",
+    }
+    try:  # TRL's own rendering of a prompt (a private method: None if it moves)
+        prompt_ids = list(trainer._tokenize_prompts([s.template.messages(s.train[0])])[0][0])
+    except Exception:  # noqa: BLE001
+        prompt_ids = None
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"before": before, "after": after, **clock.summary(), "reward_mean_per_step": rewards,
+            "settings": settings, "prompt_ids": prompt_ids}
+
+
+def worker(engine: str, spec: Spec) -> dict:
+    """Runs one engine in this process; returns its result (also what the parent reads)."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"learning-{engine}-") as workdir:
+        result = (run_ours if engine == "ours" else run_trl)(spec, workdir)
+    return {"engine": engine, "seed": spec.seed, "mode": spec.mode, **result, "wall_s": time.perf_counter() - start}
+
+
+# -- the parent: alternate, aggregate, plot -------------------------------------------------------
+
+
+def _run_worker(engine: str, spec: Spec, out: Path) -> tuple[dict | None, str | None]:
+    name = f"{engine}-seed{spec.seed}"
+    result_path, log_path = out / f"{name}.json", out / f"{name}.log"
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine,
+           "--spec", json.dumps(dataclasses.asdict(spec)), "--result", str(result_path)]
+    timeout = 2 * spec.budget_s + 1800  # the budget, overshoot, loading and evaluations
+    with log_path.open("w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return None, f"{name}: worker timed out after {timeout:.0f} s (log: {log_path})"
+    if proc.returncode == 0 and result_path.is_file():
+        return json.loads(result_path.read_text()), None
+    tail = log_path.read_text()[-3000:]
+    return None, f"{name}: worker failed (exit {proc.returncode}, log: {log_path}):\n{tail}"
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _std(values: list[float]) -> float | None:
+    return statistics.stdev(values) if len(values) > 1 else None
+
+
+def _engine_summary(runs: list[dict]) -> dict | None:
+    if not runs:
+        return None
+    out = {"before": _mean([r["before"] for r in runs]), "after": _mean([r["after"] for r in runs]),
+           "steps": _mean([r["steps"] for r in runs]), "step_s": _mean([r["step_s_mean"] for r in runs if r["steps"]]),
+           "train_s": _mean([r["train_s"] for r in runs])}
+    if len(runs) > 1:
+        out.update({"after_std": _std([r["after"] for r in runs]), "seeds": [r["seed"] for r in runs],
+                    **{f"{k}_runs": [r[k] for r in runs] for k in ("before", "after", "steps")}})
+    return out
+
+
+def _checks(spec: Spec, runs: dict[str, list[dict]]) -> tuple[list[str], list[str]]:
+    """(problems, warnings): problems make the comparison invalid, warnings qualify it."""
+    problems, warnings = [], []
+    for engine, rs in runs.items():
+        for r in rs:
+            if r["steps"] < 1:
+                problems.append(f"{engine} seed {r['seed']}: no training step within {spec.budget_s} s")
+            if not HONEST_RANGE[0] <= r["before"] <= HONEST_RANGE[1]:
+                warnings.append(f"{engine} seed {r['seed']}: base model greedy accuracy {r['before']:.3f} is outside "
+                                f"{HONEST_RANGE}: the task is too hard or too easy for this model")
+    for a, b in zip(runs["ours"], runs["trl"]):
+        if a["before"] != b["before"]:
+            problems.append(f"seed {a['seed']}: the base model scored {a['before']} for ours, {b['before']} for trl")
+        if b["prompt_ids"] is not None and a["prompt_ids"] != b["prompt_ids"]:
+            problems.append(f"seed {a['seed']}: the engines render the first training prompt to different tokens")
+        if spec.mode == "identical":
+            for key in sorted(set(a["settings"]) | set(b["settings"])):
+                if a["settings"].get(key) != b["settings"].get(key):
+                    problems.append(f"setting {key}: ours {a['settings'].get(key)!r} != trl {b['settings'].get(key)!r}")
+    return list(dict.fromkeys(problems)), list(dict.fromkeys(warnings))
+
+
+def _task_name(spec: Spec) -> str:
+    return (f"arithmetic_task(digits=2, ops='+-', num_train={spec.num_train}, num_test={spec.num_test}, "
+            f"seed={spec.task_seed}), instruction {INSTRUCTION.strip()!r}")
+
+
+def plot(runs: dict[str, list[dict]], path: Path, *, title: str) -> None:
+    """Subset accuracy against training wall time, one line per (engine, seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors, styles = {"ours": "tab:blue", "trl": "tab:orange"}, ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for engine, rs in runs.items():
+        for i, r in enumerate(rs):
+            xs = [p["train_s"] for p in r["curve"]]
+            ys = [p["accuracy"] for p in r["curve"]]
+            label = (f"{engine} seed {r['seed']}: {r['steps']} steps; full test {r['before']:.0%} -> "
+                     f"{r['after']:.0%}")
+            ax.plot(xs, ys, styles[i % len(styles)], color=colors[engine], marker="o", markersize=3, label=label)
+    ax.set_xlabel("training wall time (s), evaluation excluded")
+    ax.set_ylabel("greedy accuracy (eval subset)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare(spec: Spec, seeds: int, out: Path) -> dict:
+    """Runs the alternating workers; returns the full report (also written to ``out/report.json``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
+    errors: list[str] = []
+    for seed in range(seeds):
+        order = ENGINES if seed % 2 == 0 else ENGINES[::-1]
+        for engine in order:
+            print(f"[learning] seed {seed}: {engine} ({spec.mode}, {spec.budget_s:g} s)", file=sys.stderr, flush=True)
+            result, error = _run_worker(engine, dataclasses.replace(spec, seed=seed), out)
+            if error:
+                errors.append(error)
+                print(f"[learning] {error}", file=sys.stderr, flush=True)
+            else:
+                runs[engine].append(result)
+    paired = [(a, b) for a in runs["ours"] for b in runs["trl"] if a["seed"] == b["seed"]]
+    deltas = [100 * (a["after"] - b["after"]) for a, b in paired]
+    problems, warnings = _checks(spec, {"ours": [a for a, _ in paired], "trl": [b for _, b in paired]})
+    ours, trl = _engine_summary(runs["ours"]), _engine_summary(runs["trl"])
+    summary = {"task": _task_name(spec), "budget_s": spec.budget_s, "ours": ours, "trl": trl,
+               "delta_after_pts": _mean(deltas), "mode": spec.mode, "seeds": seeds}
+    if seeds > 1:
+        summary.update(delta_after_pts_runs=deltas, delta_after_pts_std=_std(deltas))
+    summary.update(problems=problems, warnings=warnings, errors=errors, out=str(out))
+    plot(runs, out / "learning.png", title=f"{Path(spec.model).name}, {spec.mode} settings, {spec.budget_s:g} s "
+                                           f"training budget, B={spec.prompts_per_step} G={spec.group_size}")
+    report = {**summary, "spec": dataclasses.asdict(spec), "hardware": _hardware(spec.device),
+              "versions": _versions(), "runs": runs}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return summary
+
+
+def _table(s: dict) -> str:
+    lines = [f"task: {s['task']}", f"mode {s['mode']}, budget {s['budget_s']:g} s of training, {s['seeds']} seed(s)",
+             f"{'':6}{'before':>8}{'after':>8}{'steps':>8}{'step s':>9}"]
+    for engine in ENGINES:
+        e = s[engine]
+        if e:
+            lines.append(f"{engine:6}{e['before']:8.3f}{e['after']:8.3f}{e['steps']:8.1f}{e['step_s'] or 0:9.2f}")
+    if s["delta_after_pts"] is not None:
+        lines.append(f"after, ours - trl: {s['delta_after_pts']:+.1f} points")
+    lines += [f"PROBLEM: {x}" for x in s["problems"]] + [f"WARNING: {x}" for x in s["warnings"]]
+    lines += [f"ERROR: {x}" for x in s["errors"]] + [f"plot and report: {s['out']}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget-s", type=float, default=480.0, help="training wall time per engine (default 480)")
+    parser.add_argument("--mode", choices=("identical", "defaults"), default="identical")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, each runs both engines (default 1)")
+    parser.add_argument("--model", help="a transformers folder (default: the demo's SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-train", type=int, default=1000)
+    parser.add_argument("--num-test", type=int, default=64)
+    parser.add_argument("--task-seed", type=int, default=0, help="seed of the train/test split (default 0, the demo's)")
+    parser.add_argument("--eval-subset", type=int, default=32, help="first test prompts of the accuracy curve")
+    parser.add_argument("--eval-every-s", type=float, default=60.0, help="curve point every this much training time")
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-completion-tokens", type=int, default=24)
+    parser.add_argument("--micro-batch-size", type=int, help="completions per forward/backward, both engines")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, help="output folder (default runs/learning/<timestamp>)")
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        result = worker(args.worker, Spec(**json.loads(args.spec)))
+        args.result.write_text(json.dumps(result))
+        return 0
+    if args.seeds < 1 or args.budget_s <= 0 or not 1 <= args.eval_subset <= args.num_test:
+        parser.error("need --seeds >= 1, --budget-s > 0 and 1 <= --eval-subset <= --num-test")
+    if args.model is None:
+        from grpo_engine.demo import smollm2_folder
+
+        args.model = str(smollm2_folder())
+    spec = Spec(model=str(args.model), mode=args.mode, budget_s=args.budget_s, task_seed=args.task_seed,
+                num_train=args.num_train, num_test=args.num_test, eval_subset=args.eval_subset,
+                eval_every_s=args.eval_every_s, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                max_completion_tokens=args.max_completion_tokens, micro_batch_size=args.micro_batch_size,
+                device=args.device)
+    out = args.out or ROOT / "runs" / "learning" / time.strftime("%Y%m%d-%H%M%S")
+    summary = compare(spec, args.seeds, out)
+    print(_table(summary), flush=True)
+    print(json.dumps(summary), flush=True)
+    return 1 if summary["problems"] or summary["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
