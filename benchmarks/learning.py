@@ -238,7 +238,7 @@ def _advantage(std_scope: str, eps: float) -> str:
 def run_ours(spec: Spec, workdir: str) -> dict:
     import torch
 
-    from grpo_engine import ClippedSurrogate, GRPOConfig, GRPOTrainer, GroupNormalized, LoRA, MemoryPlan
+    from grpo_engine import ClippedSurrogate, GroupNormalized, GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
     from grpo_engine.demo import DemoSettings
 
     demo = DemoSettings()
@@ -378,7 +378,7 @@ def run_trl(spec: Spec, workdir: str) -> dict:
     }
     try:  # TRL's own rendering of a prompt (a private method: None if it moves)
         prompt_ids = list(trainer._tokenize_prompts([s.template.messages(s.train[0])])[0][0])
-    except Exception:  # noqa: BLE001
+    except Exception:
         prompt_ids = None
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"before": before, "after": after, **clock.summary(), "reward_mean_per_step": rewards,
@@ -427,9 +427,12 @@ def _std(values: list[float]) -> float | None:
 def _engine_summary(runs: list[dict]) -> dict | None:
     if not runs:
         return None
-    out = {"before": _mean([r["before"] for r in runs]), "after": _mean([r["after"] for r in runs]),
-           "steps": _mean([r["steps"] for r in runs]), "step_s": _mean([r["step_s_mean"] for r in runs if r["steps"]]),
-           "train_s": _mean([r["train_s"] for r in runs])}
+    def mean(key: str):  # one seed: its own value (steps stay an int)
+        values = [r[key] for r in runs if r[key] is not None]
+        return values[0] if len(runs) == 1 else _mean(values)
+
+    out = {"before": mean("before"), "after": mean("after"), "steps": mean("steps"), "step_s": mean("step_s_mean"),
+           "train_s": mean("train_s")}
     if len(runs) > 1:
         out.update({"after_std": _std([r["after"] for r in runs]), "seeds": [r["seed"] for r in runs],
                     **{f"{k}_runs": [r[k] for r in runs] for k in ("before", "after", "steps")}})
@@ -463,7 +466,7 @@ def _task_name(spec: Spec) -> str:
             f"seed={spec.task_seed}), instruction {INSTRUCTION.strip()!r}")
 
 
-def plot(runs: dict[str, list[dict]], path: Path, *, title: str) -> None:
+def plot(runs: dict[str, list[dict]], path: Path, *, title: str, budget_s: float, subset: int) -> None:
     """Subset accuracy against training wall time, one line per (engine, seed)."""
     import matplotlib
 
@@ -479,8 +482,9 @@ def plot(runs: dict[str, list[dict]], path: Path, *, title: str) -> None:
             label = (f"{engine} seed {r['seed']}: {r['steps']} steps; full test {r['before']:.0%} -> "
                      f"{r['after']:.0%}")
             ax.plot(xs, ys, styles[i % len(styles)], color=colors[engine], marker="o", markersize=3, label=label)
+    ax.axvline(budget_s, color="gray", linestyle=":", linewidth=1, label=f"budget {budget_s:g} s")
     ax.set_xlabel("training wall time (s), evaluation excluded")
-    ax.set_ylabel("greedy accuracy (eval subset)")
+    ax.set_ylabel(f"greedy accuracy, first {subset} test prompts")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title, fontsize=9)
     ax.legend(loc="upper left", fontsize=7)
@@ -514,7 +518,8 @@ def compare(spec: Spec, seeds: int, out: Path) -> dict:
         summary.update(delta_after_pts_runs=deltas, delta_after_pts_std=_std(deltas))
     summary.update(problems=problems, warnings=warnings, errors=errors, out=str(out))
     plot(runs, out / "learning.png", title=f"{Path(spec.model).name}, {spec.mode} settings, {spec.budget_s:g} s "
-                                           f"training budget, B={spec.prompts_per_step} G={spec.group_size}")
+                                           f"training budget, B={spec.prompts_per_step} G={spec.group_size}",
+         budget_s=spec.budget_s, subset=spec.eval_subset)
     report = {**summary, "spec": dataclasses.asdict(spec), "hardware": _hardware(spec.device),
               "versions": _versions(), "runs": runs}
     (out / "report.json").write_text(json.dumps(report, indent=1))

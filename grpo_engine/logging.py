@@ -6,12 +6,15 @@ flushed as it is written, so a crashed run keeps every step it finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger"]
+__all__ = ["MetricsLogger", "StageTimer"]
 
 _BAR_KEYS = (("reward", "reward/mean"), ("len", "completion_length/mean"), ("s/step", "time/step_s"))
 
@@ -69,3 +72,25 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+class StageTimer:
+    """Wall-clock seconds per stage of a step: ``with timer("sample"): ...``; ``seconds()`` gives
+    ``time/<stage>_s`` for every stage and ``time/step_s`` since the timer was made."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def seconds(self) -> dict[str, float]:
+        out = {f"time/{k}_s": v for k, v in self._seconds.items()}
+        out["time/step_s"] = time.perf_counter() - self._start
+        return out

@@ -14,11 +14,10 @@ and logs them.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,10 @@ from grpo_engine.checkpoint import save_pretrained_atomic
 from grpo_engine.config import GRPOConfig
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.data.templates import PromptTemplate
+from grpo_engine.entropy.control import AdaptiveTemperature, collapsed_fraction
+from grpo_engine.entropy.token import token_entropy_mean
 from grpo_engine.eval import evaluate
-from grpo_engine.logging import MetricsLogger
+from grpo_engine.logging import MetricsLogger, StageTimer
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.losses import ClippedSurrogate, KLRewardPenalty
 from grpo_engine.memory.apply import ReferencePolicy, build_optimizer, prepare_model, trainable_parameters
@@ -70,6 +71,13 @@ class GRPOTrainer:
             batch up from fresh prompts (``grpo_engine.sampling.DynamicSampling``).
         kl_penalty: KL to the reference subtracted from each completion's reward before the
             advantages (``grpo_engine.losses.KLRewardPenalty``), instead of a KL term in the loss.
+        temperature_control: sets the next step's sampling temperature from the groups' semantic
+            entropy and accuracy (``grpo_engine.entropy.AdaptiveTemperature``); needs ``entropy``.
+        prompt_source: where prompts come from (default a seeded ``PromptStream``); one with an
+            ``update(prompts, accuracy, semantic_entropy)`` method (``InformativeCurriculum``) is told
+            how every sampled group did.
+        accuracy_reward: the breakdown name whose group mean is "accuracy" for the controller and
+            the curriculum (default: the first reward).
 
     Example:
         >>> # trainer = GRPOTrainer("HuggingFaceTB/SmolLM2-135M-Instruct", [MathAccuracy()], prompts,
@@ -95,6 +103,9 @@ class GRPOTrainer:
         eval_reward: RewardFn | None = None,
         dynamic_sampling: DynamicSampling | None = None,
         kl_penalty: KLRewardPenalty | None = None,
+        temperature_control: AdaptiveTemperature | None = None,
+        prompt_source: Any = None,
+        accuracy_reward: str | None = None,
     ) -> None:
         self.config = config = config if config is not None else GRPOConfig()
         self.memory = memory = memory if memory is not None else MemoryPlan()
@@ -107,7 +118,8 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         self.model = prepare_model(model, memory)
         self.rewards = rewards if isinstance(rewards, WeightedSum) else WeightedSum(list(rewards))
-        self.prompts = PromptStream(list(train_prompts), config.prompts_per_step, seed=config.seed)
+        self.prompts = prompt_source if prompt_source is not None else PromptStream(
+            list(train_prompts), config.prompts_per_step, seed=config.seed)
         self.sampler = sampler if sampler is not None else HFSampler(
             self.model, tokenizer, template=template, max_prompt_tokens=config.max_prompt_tokens,
             max_completion_tokens=config.max_completion_tokens, temperature=config.temperature,
@@ -119,6 +131,12 @@ class GRPOTrainer:
         self.entropy = entropy
         self.dynamic_sampling = dynamic_sampling
         self.kl_penalty = kl_penalty
+        self.temperature = config.temperature  # in force; a temperature controller may change it
+        self.temperature_control = temperature_control
+        if temperature_control is not None and entropy is None:
+            raise ValueError("temperature_control needs per-group semantic entropy: pass "
+                             "entropy=SemanticEntropy(normalize=True) as well")
+        self.accuracy_reward = accuracy_reward or self.rewards.names[0]
         self.template = template
         self.eval_prompts = list(eval_prompts or [])
         self.eval_reward = eval_reward if eval_reward is not None else self.rewards.rewards[0]
@@ -165,7 +183,8 @@ class GRPOTrainer:
 
     def step(self) -> dict[str, float]:
         """One optimizer step (``updates_per_batch`` of them on one rollout batch); returns its metrics."""
-        cfg, timer = self.config, _Timer()
+        cfg, timer = self.config, StageTimer()
+        observed: list[tuple[Tensor, Tensor | None]] = []  # (accuracy [b], semantic entropy [b]) of each draw
 
         def draw(num_prompts: int) -> tuple[RolloutBatch, RewardOutput]:
             # 1. sample a group of completions for each prompt
@@ -173,7 +192,9 @@ class GRPOTrainer:
                 batch = self.sampler.sample(self.prompts.next_batch(num_prompts), group_size=cfg.group_size)
             # 2. score, with the per-reward breakdown
             with timer("reward"):
-                return batch, self.rewards(batch)
+                rewards = self.rewards(batch)
+            self._observe(batch, rewards, observed)
+            return batch, rewards
 
         step_stats: dict[str, float] = {}
         if self.dynamic_sampling is None:
@@ -208,6 +229,16 @@ class GRPOTrainer:
             for _ in range(cfg.updates_per_batch):
                 loss_metrics = self._update(batch, advantages, old, ref)
         self.scheduler.step()  # the schedule counts steps, not the mu updates inside one
+
+        step_stats["temperature"] = self.temperature
+        if self.temperature_control is not None:  # the next step samples at the new temperature
+            accuracy = torch.cat([a for a, _ in observed])
+            entropy = torch.cat([e for _, e in observed])
+            step_stats["entropy/collapsed_fraction"] = collapsed_fraction(
+                entropy, accuracy, self.temperature_control.collapse_entropy).item()
+            self.temperature = self.temperature_control.update(entropy, accuracy)
+            if hasattr(self.sampler, "temperature"):
+                self.sampler.temperature = self.temperature
 
         self.step_count += 1
         held_out: dict[str, float] = {}
@@ -264,21 +295,25 @@ class GRPOTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens, num_sequences = self._counts(batch)
-        with_entropy = bool(getattr(self.loss, "requires_entropy", False))
+        pass_entropy = bool(getattr(self.loss, "requires_entropy", False))
         sums: dict[str, float] = dict.fromkeys(self._metric_keys, 0.0)
+        sums["entropy/token_mean"] = 0.0  # over the rows trained (rows skipped for advantage 0 are not run)
+        no_rows = torch.zeros(0, dtype=torch.long)
         try:
-            rows = self._rows_to_train(advantages) if num_sequences and num_tokens else torch.zeros(0, dtype=torch.long)
+            rows = self._rows_to_train(advantages) if num_sequences and num_tokens else no_rows
+            trained_tokens = max(1, int(batch.completion_mask[rows].sum()))
             for idx in rows.split(self.memory.micro_batch_size) if rows.numel() else ():
-                pid, pmask, cid, cmask = _trimmed(batch, idx)
-                out = completion_logprobs(self.model, pid, pmask, cid, cmask, temperature=self.config.temperature,
-                                          chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy)
-                logprobs, entropy = out if with_entropy else (out, None)
+                pid, pmask, cid, cmask = batch.trimmed(idx)
+                logprobs, entropy = completion_logprobs(  # token entropy comes from the same chunked pass
+                    self.model, pid, pmask, cid, cmask, temperature=self.temperature,
+                    chunk_size=self.memory.logprob_chunk_size, with_entropy=True)
+                sums["entropy/token_mean"] += float(token_entropy_mean(entropy.detach(), cmask, trained_tokens))
                 width, dev = cid.shape[1], logprobs.device
                 micro = MicroBatch(
                     completion_mask=cmask, advantages=advantages[idx].to(dev),
                     old_logprobs=old_logprobs[idx, :width].to(dev) if old_logprobs is not None else None,
                     ref_logprobs=ref_logprobs[idx, :width].to(dev) if ref_logprobs is not None else None,
-                    is_truncated=batch.is_truncated[idx].to(dev), entropy=entropy,
+                    is_truncated=batch.is_truncated[idx].to(dev), entropy=entropy if pass_entropy else None,
                     sampler_logprobs=(batch.sampler_logprobs[idx, :width].to(dev)
                                       if batch.sampler_logprobs is not None else None),
                 )
@@ -291,6 +326,17 @@ class GRPOTrainer:
             self.model.eval()
         self._metric_keys = tuple(sums)  # a step that trained no row still logs every key (as 0)
         return sums
+
+    def _observe(self, batch: RolloutBatch, rewards: RewardOutput, observed: list) -> None:
+        """Tells the temperature controller and the curriculum how every sampled group did."""
+        update = getattr(self.prompts, "update", None)
+        if self.temperature_control is None and update is None:
+            return
+        accuracy = rewards.breakdown[self.accuracy_reward].float().mean(dim=1)  # [b]
+        entropy = self.entropy(batch, rewards) if self.entropy is not None else None  # [b]
+        observed.append((accuracy, entropy))
+        if update is not None:
+            update(batch.prompts, accuracy, entropy)
 
     def _counts(self, batch: RolloutBatch) -> tuple[int, int]:
         """Step-global (valid tokens, sequences) the loss normalises by; the loss may exclude rows."""
@@ -312,9 +358,9 @@ class GRPOTrainer:
         """[N, C] log-probs of the batch under ``model``, micro-batch by micro-batch."""
         out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
         for idx in torch.arange(batch.num_completions).split(self.memory.micro_batch_size):
-            pid, pmask, cid, cmask = _trimmed(batch, idx)
+            pid, pmask, cid, cmask = batch.trimmed(idx)
             out[idx, :cid.shape[1]] = completion_logprobs(
-                model, pid, pmask, cid, cmask, temperature=self.config.temperature,
+                model, pid, pmask, cid, cmask, temperature=self.temperature,
                 chunk_size=self.memory.logprob_chunk_size).cpu()
         return out
 
@@ -358,33 +404,3 @@ class GRPOTrainer:
         """Saves the policy (the adapter under LoRA), the tokenizer and the run's config files."""
         extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml()}
         return save_pretrained_atomic(self.model, self.tokenizer, path, extras)
-
-
-def _trimmed(batch: RolloutBatch, idx: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The rows ``idx`` of the batch without columns that are padding in every one of them."""
-    pmask = batch.prompt_mask[idx]
-    cmask = batch.completion_mask[idx]
-    first = int(pmask.any(dim=0).long().argmax())  # first prompt column any row uses (left padding)
-    width = max(1, int(cmask.sum(dim=1).max()))
-    return (batch.prompt_ids[idx, first:], pmask[:, first:], batch.completion_ids[idx, :width], cmask[:, :width])
-
-
-class _Timer:
-    """Wall-clock seconds per stage."""
-
-    def __init__(self) -> None:
-        self._start = time.perf_counter()
-        self._seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
-
-    def seconds(self) -> dict[str, float]:
-        out = {f"time/{k}_s": v for k, v in self._seconds.items()}
-        out["time/step_s"] = time.perf_counter() - self._start
-        return out

@@ -194,6 +194,12 @@ def test_loss_and_gradient_equal_trl_with_top_entropy_quantile(monkeypatch, micr
     class TopQuantile(trl_grpo.GRPOTrainer):  # the parity helper hard-codes 1.0; this property wins
         top_entropy_quantile = property(lambda self: 0.2, lambda self, value: None)
 
+    def clean32(seed=0, **kwargs):  # TRL takes its quantile in float32: use float32-exact entropies
+        *rest, ent = clean(seed, **kwargs)
+        return (*rest, ent.float().double())
+
+    clean = parity.clean
+    monkeypatch.setattr(parity, "clean", clean32)
     monkeypatch.setattr(trl_grpo, "GRPOTrainer", TopQuantile)
     monkeypatch.setattr(parity.SingleProcess, "pad_across_processes", lambda self, x, **_: x, raising=False)
     ours = ClippedSurrogate(0.2, 0.28, 0.1, aggregation, top_entropy_quantile=0.2,

@@ -227,3 +227,45 @@ def test_kl_penalty_is_subtracted_from_the_rewards_before_advantages(tmp_path):
     # the total is the task reward minus the penalty
     assert second["reward/mean"] == pytest.approx(second["reward/digit_share/mean"]
                                                    - second["reward/kl_penalty/mean"], abs=1e-6)
+
+
+def test_temperature_control_and_curriculum_are_told_about_every_group(tmp_path):
+    from grpo_engine.entropy import AdaptiveTemperature, InformativeCurriculum, SemanticEntropy
+
+    class Collapsed(DigitShare):
+        """Every completion scores 0 (wrong) and every answer is the same non-answer cluster."""
+
+        def score(self, prompt, completion):
+            return 0.0
+
+    def same_answer(completion):
+        return "7"
+
+    tokenizer = char_tokenizer()
+    curriculum = InformativeCurriculum(PROMPTS, batch_size=2, seed=0)
+    control = AdaptiveTemperature(initial=0.9, step=0.1, max_temperature=1.05)
+    trainer = GRPOTrainer(
+        tiny_llama(len(tokenizer)), [Collapsed(name="acc")], PROMPTS, tokenizer=tokenizer, template=TEMPLATE,
+        entropy=SemanticEntropy(normalize=True, extract=same_answer), temperature_control=control,
+        prompt_source=curriculum,
+        config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=6, max_steps=3,
+                          temperature=0.9, output_dir=str(tmp_path), progress_bar=False),
+    )
+    temps = [trainer.step() for _ in range(3)]
+    # every group collapsed (one cluster, accuracy 0): +0.1 per step, clipped at 1.05
+    assert [m["temperature"] for m in temps] == pytest.approx([0.9, 1.0, 1.05])
+    assert all(m["entropy/collapsed_fraction"] == 1.0 for m in temps)
+    assert trainer.sampler.temperature == pytest.approx(1.05)
+    assert sum(curriculum.stats(i).visits for i in range(len(PROMPTS))) == 6  # 3 steps x 2 groups
+    with pytest.raises(ValueError, match="temperature_control needs per-group semantic entropy"):
+        make_trainer(tmp_path, components={"temperature_control": AdaptiveTemperature()})
+
+
+def test_token_entropy_is_logged_from_the_training_pass(tmp_path):
+    trainer = make_trainer(tmp_path, loss=NoSkip(ClippedSurrogate()))
+    batch, advantages = sample_with_advantages(trainer)
+    metrics = trainer.compute_gradients(batch, advantages)
+    _, entropy = completion_logprobs(trainer.model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                     batch.completion_mask, with_entropy=True)
+    want = entropy[batch.completion_mask].mean().item()
+    assert metrics["entropy/token_mean"] == pytest.approx(want, rel=1e-5)

@@ -112,7 +112,8 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float
     ``get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile)`` on one process. With
     ties at the threshold more than the fraction can be kept; ``top_entropy_quantile=1`` keeps
     every valid token; ``0`` keeps only the maximum (and its ties). The input is detached: the
-    mask carries no gradient.
+    mask carries no gradient. The quantile is taken in the input's precision (at least float32);
+    TRL always takes it in float32, so for float64 input the two can differ at a tie.
 
     Args:
         entropy: [n, C] per-token entropy; padding may hold anything.

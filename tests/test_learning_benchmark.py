@@ -1,0 +1,109 @@
+"""The learning benchmark (benchmarks/learning.py): its training clock, its checks, and a smoke run.
+
+The smoke run is the real harness on a tiny random-init Llama with a character tokenizer saved to a
+temporary folder: the parent starts one worker process per engine (ours, then TRL), each trains
+for a 3 s budget, and the parent prints the JSON last line and writes the plot and the report.
+The tiny model cannot do arithmetic, so its accuracies are 0 and the honesty warning fires; what
+is checked is the plumbing: keys, steps, the clock, identical settings and prompt tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import learning  # noqa: E402
+
+# -- the clock ------------------------------------------------------------------------------------
+
+
+def test_clock_excludes_evaluation_and_checkpoints_on_training_time():
+    calls = []
+    clock = learning.TrainingClock(budget_s=10.0, eval_every_s=3.0, evaluate=lambda: calls.append(1) or 0.5)
+    # steps of 2 s: training time 2, 4, 6, 8, 10. A checkpoint once 3 s have passed (at 4), once 6 s have
+    # (at 6); 9 s passes at 10, where the budget is spent: the caller evaluates the final model itself
+    for _ in range(5):
+        assert not clock.spent
+        clock.step_done(2.0)
+    assert clock.spent and clock.steps == 5 and clock.train_s == 10.0
+    assert [(p["train_s"], p["step"]) for p in clock.curve] == [(4.0, 2), (6.0, 3)]
+    assert len(calls) == 2
+    summary = clock.summary()
+    assert summary["step_s_mean"] == 2.0 and summary["step_s_median"] == 2.0
+
+
+def test_clock_without_periodic_evaluation():
+    clock = learning.TrainingClock(budget_s=1.0, eval_every_s=0, evaluate=lambda: pytest.fail("evaluated"))
+    clock.step_done(0.4)
+    clock.step_done(0.7)  # overshoots: the budget is checked between steps, as both engines do
+    assert clock.spent and clock.curve == [] and clock.train_s == pytest.approx(1.1)
+
+
+def _run(seed, before, settings, prompt_ids=(1, 2)):
+    return {"seed": seed, "before": before, "steps": 3, "settings": settings, "prompt_ids": list(prompt_ids)}
+
+
+def test_checks_name_every_difference_that_breaks_the_comparison():
+    spec = learning.Spec(model="m", mode="identical")
+    ours = _run(0, 0.125, {"learning_rate": 1e-4, "temperature": 1.0})
+    trl = _run(0, 0.25, {"learning_rate": 1e-6, "temperature": 1.0}, prompt_ids=(1, 3))
+    problems, warnings = learning._checks(spec, {"ours": [ours], "trl": [trl]})
+    assert problems == ["seed 0: the base model scored 0.125 for ours, 0.25 for trl",
+                        "seed 0: the engines render the first training prompt to different tokens",
+                        "setting learning_rate: ours 0.0001 != trl 1e-06"]
+    assert warnings == []
+    # in the defaults mode settings may differ; a base model outside 10-50% is a warning
+    spec = learning.Spec(model="m", mode="defaults")
+    problems, warnings = learning._checks(spec, {"ours": [_run(0, 0.6, {"a": 1})], "trl": [_run(0, 0.6, {"a": 2})]})
+    assert problems == [] and len(warnings) == 2 and "0.600" in warnings[0]
+
+
+# -- the smoke run --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from tests.tiny import char_tokenizer, tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = char_tokenizer()
+    tiny_llama(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_smoke_run_trains_both_engines_and_reports(tiny_folder, tmp_path, capsys):
+    pytest.importorskip("trl")
+    out = tmp_path / "out"
+    code = learning.main(["--model", str(tiny_folder), "--budget-s", "3", "--eval-every-s", "1",
+                          "--num-train", "20", "--num-test", "8", "--eval-subset", "4", "--prompts-per-step", "2",
+                          "--group-size", "2", "--max-completion-tokens", "4", "--out", str(out)])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0, last
+    assert list(last)[:5] == ["task", "budget_s", "ours", "trl", "delta_after_pts"]
+    assert last["budget_s"] == 3.0 and last["problems"] == [] and last["errors"] == []
+    for engine in ("ours", "trl"):
+        result = last[engine]
+        assert {"before", "after", "steps"} <= set(result)
+        assert result["steps"] >= 1 and result["train_s"] >= 3.0
+        assert 0.0 <= result["before"] <= 1.0 and 0.0 <= result["after"] <= 1.0
+    assert last["delta_after_pts"] == pytest.approx(100 * (last["ours"]["after"] - last["trl"]["after"]))
+    assert (out / "learning.png").stat().st_size > 0
+    report = json.loads((out / "report.json").read_text())
+    for engine in ("ours", "trl"):
+        run = report["runs"][engine][0]
+        curve = run["curve"]  # at 0, every 1 s of training while the budget lasts, and the final model
+        assert curve[0]["train_s"] == 0.0 and curve[0]["step"] == 0 and len(curve) >= 2
+        assert curve[-1]["train_s"] == run["train_s"] and curve[-1]["step"] == run["steps"]
+        assert sum(run["step_s"]) == pytest.approx(run["train_s"])
+    ours, trl = report["runs"]["ours"][0], report["runs"]["trl"][0]
+    assert ours["settings"] == trl["settings"]  # identical mode: what each engine holds
+    assert ours["prompt_ids"] == trl["prompt_ids"]
+    assert ours["settings"]["completions_per_optimizer_step"] == 4
+    assert trl["settings"]["generations_per_optimizer_step"] == 1
