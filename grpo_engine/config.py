@@ -133,6 +133,10 @@ class GRPOConfig(FrozenModel):
     log_every_steps: int = Field(1, description="Write a metrics line every this many steps.")
     save_every_steps: int | None = Field(None, description="Save a checkpoint every this many steps (null = end only).")
     progress_bar: bool = Field(True, description="Show a console progress bar.")
+    log_token_entropy: bool = Field(
+        True, description="Log the exact mean token entropy from the training pass (one extra softmax over "
+        "the vocabulary per trained token; always computed when the loss needs it)."
+    )
 
     @property
     def completions_per_step(self) -> int:

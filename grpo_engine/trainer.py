@@ -296,18 +296,22 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens, num_sequences = self._counts(batch)
         pass_entropy = bool(getattr(self.loss, "requires_entropy", False))
+        with_entropy = pass_entropy or self.config.log_token_entropy
         sums: dict[str, float] = dict.fromkeys(self._metric_keys, 0.0)
-        sums["entropy/token_mean"] = 0.0  # over the rows trained (rows skipped for advantage 0 are not run)
+        if with_entropy:
+            sums["entropy/token_mean"] = 0.0  # over the rows trained (rows skipped for advantage 0 are not run)
         no_rows = torch.zeros(0, dtype=torch.long)
         try:
             rows = self._rows_to_train(advantages) if num_sequences and num_tokens else no_rows
             trained_tokens = max(1, int(batch.completion_mask[rows].sum()))
             for idx in rows.split(self.memory.micro_batch_size) if rows.numel() else ():
                 pid, pmask, cid, cmask = batch.trimmed(idx)
-                logprobs, entropy = completion_logprobs(  # token entropy comes from the same chunked pass
+                out = completion_logprobs(  # token entropy comes from the same chunked pass
                     self.model, pid, pmask, cid, cmask, temperature=self.temperature,
-                    chunk_size=self.memory.logprob_chunk_size, with_entropy=True)
-                sums["entropy/token_mean"] += float(token_entropy_mean(entropy.detach(), cmask, trained_tokens))
+                    chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy)
+                logprobs, entropy = out if with_entropy else (out, None)
+                if entropy is not None:
+                    sums["entropy/token_mean"] += float(token_entropy_mean(entropy.detach(), cmask, trained_tokens))
                 width, dev = cid.shape[1], logprobs.device
                 micro = MicroBatch(
                     completion_mask=cmask, advantages=advantages[idx].to(dev),

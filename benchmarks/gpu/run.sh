@@ -44,6 +44,6 @@ run_preset() {  # run_preset NAME PERCENT: the preset gets PERCENT of the second
   tail -n 6 "$OUT/$name.log" | cut -c1-400
 }
 
-run_preset gpu-0.5b 45
+run_preset gpu-0.5b 40
 run_preset gpu-1.5b 100
 echo "== done in $(( $(date +%s) - START ))s; results in $OUT"
