@@ -28,9 +28,10 @@ __all__ = ["HFSampler", "eos_token_ids"]
 class _TemperatureRecorder(LogitsProcessor):
     """Divides logits by the temperature and records the log-prob of each sampled token."""
 
-    def __init__(self, temperature: float, prompt_width: int) -> None:
+    def __init__(self, temperature: float, prompt_width: int, record: bool = True) -> None:
         self.temperature = temperature
         self.prompt_width = prompt_width
+        self.record = record  # without it, only the temperature is applied (no log-softmax per step)
         self._last: Tensor | None = None  # [N, V] log-softmax of the previous step
         self.logprobs: list[Tensor] = []  # each [N]
 
@@ -42,7 +43,8 @@ class _TemperatureRecorder(LogitsProcessor):
         if input_ids.shape[1] > self.prompt_width:
             self._collect(input_ids[:, -1])
         scores = scores.float() / self.temperature
-        self._last = torch.log_softmax(scores, dim=-1)
+        if self.record:
+            self._last = torch.log_softmax(scores, dim=-1)
         return scores
 
     def finish(self, sequences: Tensor) -> Tensor:
@@ -132,7 +134,7 @@ class HFSampler:
         ids, mask = self.encode_prompts(prompts)
         prompt_ids = ids.repeat_interleave(group_size, dim=0).to(device)  # [N, P]
         prompt_mask = mask.repeat_interleave(group_size, dim=0).to(device)  # [N, P]
-        recorder = _TemperatureRecorder(self.temperature, prompt_ids.shape[1])
+        recorder = _TemperatureRecorder(self.temperature, prompt_ids.shape[1], record=self.return_logprobs)
         processors = LogitsProcessorList([recorder])
         if self.top_k > 0:
             processors.append(TopKLogitsWarper(self.top_k))
