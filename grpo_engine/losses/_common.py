@@ -149,3 +149,32 @@ def check_call(
     problems.extend(extra or ())
     if problems:
         raise ValueError(f"{owner}: " + "; ".join(problems))
+
+
+class KLOnlyLossMixin:
+    """The trainer-facing properties of a loss whose only optional term is a KL (``kl_coef``)."""
+
+    kl_coef: float
+
+    @property
+    def requires_ref_logprobs(self) -> bool:
+        """True when ``kl_coef > 0``: the trainer must supply ``batch.ref_logprobs``."""
+        return self.kl_coef > 0
+
+    @property
+    def requires_entropy(self) -> bool:
+        """Always False: no entropy term."""
+        return False
+
+    @property
+    def needs_zero_advantage_rows(self) -> bool:
+        """False when ``kl_coef == 0``: a completion with advantage 0 then adds exactly 0 to the
+        loss, the gradient and every metric."""
+        return self.kl_coef > 0
+
+    def counts(self, completion_mask: Tensor, is_truncated: Tensor | None = None) -> tuple[int, int]:
+        """Step-global ``(num_valid_tokens, num_sequences)``: every True mask entry, every row.
+
+        ``is_truncated`` is accepted for a uniform trainer call and ignored.
+        """
+        return step_counts(completion_mask)

@@ -47,7 +47,7 @@ __all__ = ["CISPO"]
 
 
 @dataclass(frozen=True)
-class CISPO:
+class CISPO(common.KLOnlyLossMixin):
     """Clipped IS-weight Policy Optimization (token-mean REINFORCE with a capped weight).
 
     Args:
@@ -78,29 +78,6 @@ class CISPO:
         problems.extend(common.check_kl_estimator(self.kl_estimator))
         if problems:
             raise ValueError("invalid CISPO: " + "; ".join(problems))
-
-    @property
-    def requires_ref_logprobs(self) -> bool:
-        """True when ``kl_coef > 0``: the trainer must supply ``batch.ref_logprobs``."""
-        return self.kl_coef > 0
-
-    @property
-    def requires_entropy(self) -> bool:
-        """Always False: CISPO has no entropy term."""
-        return False
-
-    @property
-    def needs_zero_advantage_rows(self) -> bool:
-        """False when ``kl_coef == 0``: a completion with advantage 0 then adds exactly 0 to the
-        loss, the gradient and every metric."""
-        return self.kl_coef > 0
-
-    def counts(self, completion_mask: Tensor, is_truncated: Tensor | None = None) -> tuple[int, int]:
-        """Step-global ``(num_valid_tokens, num_sequences)``: every True mask entry, every row.
-
-        ``is_truncated`` is accepted for a uniform trainer call and ignored.
-        """
-        return common.step_counts(completion_mask)
 
     def __call__(
         self,
