@@ -40,7 +40,7 @@ from torch import nn
 
 from grpo_engine.data.templates import PromptTemplate, default_template
 from grpo_engine.protocols import RewardFn
-from grpo_engine.rewards.math import _answer_span, answers_equal, last_number
+from grpo_engine.rewards.math import answers_equal, final_answer
 from grpo_engine.sampling.hf import HFSampler, completion_mask_from_ids
 from grpo_engine.types import Prompt
 
@@ -132,24 +132,6 @@ def majority_vote(
     """
     winner = _winner(_clusters(answers, equal))
     return (answers[winner[0]], len(winner)) if winner else (None, 0)
-
-
-def final_answer(completion: str) -> str | None:
-    """A completion's final answer by ``MathAccuracy``'s rule, or None.
-
-    The content of the last ``<answer>`` tag, else of the last ``\\boxed{}``, else the last
-    number; a tag or box that is present but blank means no answer.
-
-    Example:
-        >>> final_answer("so it is 12, or <answer> 13 </answer>"), final_answer("it is 7 or 8")
-        ('13', '8')
-        >>> final_answer("<answer> </answer> 12") is None
-        True
-    """
-    span = _answer_span(completion)
-    if span is None:
-        span = last_number(completion)
-    return span or None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from grpo_engine.rewards.base import Reward, RewardError
 from grpo_engine.rewards.compose import WeightedSum
 from grpo_engine.rewards.format import BoxedFormat, ThinkAnswerFormat
 from grpo_engine.rewards.length import OverlongPenalty
-from grpo_engine.rewards.math import MathAccuracy, answers_equal, extract_answer
+from grpo_engine.rewards.math import MathAccuracy, answers_equal, extract_answer, final_answer, last_number
 
 __all__ = [
     "BoxedFormat",
@@ -20,4 +20,6 @@ __all__ = [
     "WeightedSum",
     "answers_equal",
     "extract_answer",
+    "final_answer",
+    "last_number",
 ]

@@ -33,7 +33,7 @@ from grpo_engine.rewards.base import Reward, excerpt
 from grpo_engine.rewards.format import boxed_contents
 from grpo_engine.types import Prompt
 
-__all__ = ["MathAccuracy", "answers_equal", "extract_answer", "last_number", "parse_answer"]
+__all__ = ["MathAccuracy", "answers_equal", "extract_answer", "final_answer", "last_number", "parse_answer"]
 
 TIMEOUT_SECONDS = 5
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -142,6 +142,24 @@ def answers_equal(a: str, b: str) -> bool:
     return _equal(parse_answer(a), parse_answer(b))
 
 
+def final_answer(completion: str) -> str | None:
+    """A completion's final answer by ``MathAccuracy``'s rule, or None.
+
+    The content of the last ``<answer>`` tag, else of the last ``\\boxed{}``, else the last
+    number; a tag or box that is present but blank means no answer.
+
+    Example:
+        >>> final_answer("so it is 12, or <answer> 13 </answer>"), final_answer("it is 7 or 8")
+        ('13', '8')
+        >>> final_answer("<answer> </answer> 12") is None
+        True
+    """
+    span = _answer_span(completion)
+    if span is None:
+        span = last_number(completion)
+    return span or None
+
+
 class MathAccuracy(Reward):
     """1.0 iff the completion's final answer equals ``prompt.target`` (math-verify), else 0.0.
 
@@ -166,10 +184,8 @@ class MathAccuracy(Reward):
                 f"math-verify cannot parse Prompt.target={excerpt(prompt.target)}; "
                 "write the target as LaTeX math, e.g. '\\frac{1}{2}' or '$x^2$'"
             )
-        span = _answer_span(completion)
+        span = final_answer(completion)
         if span is None:
-            span = last_number(completion)
-        if not span:
             return 0.0
         answer = parse_answer(span)
         return 1.0 if _equal(gold, answer) else 0.0
