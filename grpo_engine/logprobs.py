@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from grpo_engine.vocab_tiled import tiled_linear_logprobs
+
 __all__ = ["completion_logprobs", "selective_logprobs", "position_ids_from_mask"]
 
 
@@ -55,6 +57,8 @@ def selective_logprobs(
     chunk_size: int = 1024,
     softcap: float | None = None,
     with_entropy: bool = False,
+    vocab_tile: int | None = None,
+    entropy_grad: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of ``targets`` (and optionally the token entropy) from hidden states, chunk by chunk.
 
@@ -67,6 +71,11 @@ def selective_logprobs(
         softcap: Gemma-2-style final logit soft-capping, when the model uses it.
         with_entropy: also return the entropy of each position's distribution (same pass, no
             extra forward), ``H = logsumexp(z) - sum softmax(z) * z`` at the temperature.
+        vocab_tile: when set and the head is a plain ``nn.Linear`` (no soft-capping), each chunk
+            also runs over the vocabulary in tiles of this size (``grpo_engine.vocab_tiled``), so
+            at most ``chunk_size * vocab_tile`` logits exist in the forward and the backward.
+        entropy_grad: the entropy must carry a gradient (an entropy bonus); the tiled path gives
+            the entropy without one, so this selects the checkpointed chunks.
 
     Returns:
         [k] float32 log-probs, or ``(logprobs [k], entropy [k])`` with ``with_entropy``.
@@ -79,7 +88,14 @@ def selective_logprobs(
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1; use e.g. 1024")
     logprobs, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
+    if vocab_tile and type(lm_head) is nn.Linear and softcap is None and not (with_entropy and entropy_grad):
+        for start in range(0, hidden.shape[0], chunk_size):
+            lp, ent = tiled_linear_logprobs(hidden[start:start + chunk_size], lm_head,
+                                            targets[start:start + chunk_size], temperature=temperature,
+                                            vocab_tile=vocab_tile)
+            logprobs.append(lp)
+            entropies.append(ent)
+    for start in range(0, hidden.shape[0], chunk_size) if not logprobs else ():
         h = hidden[start:start + chunk_size]
         t = targets[start:start + chunk_size]
         args = (h, lm_head, t, temperature, softcap, with_entropy)
@@ -106,6 +122,8 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    vocab_tile: int | None = None,
+    entropy_grad: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of each kept completion token under ``model`` (and optionally the token entropy).
 
@@ -118,6 +136,7 @@ def completion_logprobs(
         temperature: the sampling temperature.
         chunk_size: tokens per lm_head chunk.
         with_entropy: also return the [n, C] entropy of each position's next-token distribution.
+        vocab_tile, entropy_grad: see :func:`selective_logprobs`.
 
     Returns:
         [n, C] float32 log-probs, 0 where ``completion_mask`` is False; with ``with_entropy``,
@@ -144,6 +163,8 @@ def completion_logprobs(
         chunk_size=chunk_size,
         softcap=_softcap(model),
         with_entropy=with_entropy,
+        vocab_tile=vocab_tile,
+        entropy_grad=entropy_grad,
     )
     zeros = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     if not with_entropy:

@@ -308,7 +308,8 @@ class GRPOTrainer:
                 pid, pmask, cid, cmask = batch.trimmed(idx)
                 out = completion_logprobs(  # token entropy comes from the same chunked pass
                     self.model, pid, pmask, cid, cmask, temperature=self.temperature,
-                    chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy)
+                    chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy,
+                    vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=pass_entropy)
                 logprobs, entropy = out if with_entropy else (out, None)
                 if entropy is not None:
                     sums["entropy/token_mean"] += float(token_entropy_mean(entropy.detach(), cmask, trained_tokens))
@@ -365,7 +366,7 @@ class GRPOTrainer:
             pid, pmask, cid, cmask = batch.trimmed(idx)
             out[idx, :cid.shape[1]] = completion_logprobs(
                 model, pid, pmask, cid, cmask, temperature=self.temperature,
-                chunk_size=self.memory.logprob_chunk_size).cpu()
+                chunk_size=self.memory.logprob_chunk_size, vocab_tile=self.memory.logprob_vocab_tile).cpu()
         return out
 
     # -- metrics, schedule, saving ----------------------------------------------------------

@@ -68,6 +68,10 @@ class MemoryPlan(FrozenModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the (frozen) base weights; adapters stay float32."
     )
+    logprob_vocab_tile: int | None = Field(
+        32768, description="Vocabulary entries per tile of the lm_head pass (plain linear heads); bounds the "
+        "logits to chunk x tile floats in forward and backward. null: whole-vocabulary chunks."
+    )
     logprob_chunk_size: int = Field(
         256, description="Tokens per lm_head/log-softmax chunk; bounds the logits memory to chunk x vocab "
         "floats (256 x 151,936 x 4 B = 156 MB for a Qwen2.5 vocabulary)."
@@ -75,6 +79,7 @@ class MemoryPlan(FrozenModel):
 
 
 MemoryPlan.field_rules = {
+    "logprob_vocab_tile": (lambda v: v is None or v >= 1, "must be >= 1", "use e.g. 32768, or null to turn tiling off"),
     "micro_batch_size": (lambda v: v >= 1, "must be >= 1", "use a positive number of completions, e.g. 8"),
     "logprob_chunk_size": (lambda v: v >= 1, "must be >= 1", "use e.g. 256 tokens"),
 }
