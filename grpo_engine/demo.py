@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from grpo_engine.checkpoint import save_pretrained_atomic
 
 __all__ = ["DemoSettings", "smollm2_folder", "run_demo"]
 
@@ -73,15 +73,7 @@ def smollm2_folder() -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return save_pretrained_atomic(model, tokenizer, target)
 
 
 def run_demo(settings: DemoSettings | None = None) -> dict:

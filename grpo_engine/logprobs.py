@@ -87,22 +87,18 @@ def selective_logprobs(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1; use e.g. 1024")
+    tiled = bool(vocab_tile) and type(lm_head) is nn.Linear and softcap is None and not (with_entropy and entropy_grad)
     logprobs, entropies = [], []
-    if vocab_tile and type(lm_head) is nn.Linear and softcap is None and not (with_entropy and entropy_grad):
-        for start in range(0, hidden.shape[0], chunk_size):
-            lp, ent = tiled_linear_logprobs(hidden[start:start + chunk_size], lm_head,
-                                            targets[start:start + chunk_size], temperature=temperature,
-                                            vocab_tile=vocab_tile)
-            logprobs.append(lp)
-            entropies.append(ent)
-    for start in range(0, hidden.shape[0], chunk_size) if not logprobs else ():
+    for start in range(0, hidden.shape[0], chunk_size):
         h = hidden[start:start + chunk_size]
         t = targets[start:start + chunk_size]
-        args = (h, lm_head, t, temperature, softcap, with_entropy)
-        if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        if tiled:
+            lp, ent = tiled_linear_logprobs(h, lm_head, t, temperature=temperature, vocab_tile=vocab_tile)
+        elif torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(_chunk_logprobs, h, lm_head, t, temperature, softcap, with_entropy,
+                                 use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(*args)
+            lp, ent = _chunk_logprobs(h, lm_head, t, temperature, softcap, with_entropy)
         logprobs.append(lp)
         entropies.append(ent)
     empty = hidden.new_zeros(0, dtype=torch.float32)
