@@ -11,6 +11,11 @@ chunk of logits either. Peak logits memory is ``chunk_size * V`` floats, not ``n
 
 Position ids follow transformers' ``generate`` for left-padded prompts
 (``cumsum(attention_mask) - 1``), so the log-probs equal those of the sampler.
+
+Prompt sharing: the G completions of a group share one prompt. With ``share_prompt`` the decoder
+runs once over each distinct prompt (with gradients), its KV cache is gathered to the rows, and
+a second call runs only the completion tokens against it. The prompt's forward and backward then
+cost one row per group instead of G; the result equals the full pass up to float rounding.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_engine.vocab_tiled import tiled_linear_logprobs
 
-__all__ = ["completion_logprobs", "selective_logprobs", "position_ids_from_mask"]
+__all__ = ["completion_logprobs", "selective_logprobs", "position_ids_from_mask", "can_share_prompt"]
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -120,6 +125,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     vocab_tile: int | None = None,
     entropy_grad: bool = False,
+    share_prompt: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of each kept completion token under ``model`` (and optionally the token entropy).
 
@@ -133,23 +139,27 @@ def completion_logprobs(
         chunk_size: tokens per lm_head chunk.
         with_entropy: also return the [n, C] entropy of each position's next-token distribution.
         vocab_tile, entropy_grad: see :func:`selective_logprobs`.
+        share_prompt: run each distinct prompt once and reuse its KV cache for every row that has
+            it (see the module docstring); ignored where :func:`can_share_prompt` says no.
 
     Returns:
         [n, C] float32 log-probs, 0 where ``completion_mask`` is False; with ``with_entropy``,
         ``(logprobs, entropy)``, both [n, C].
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, T]
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
     decoder = model.get_decoder()
-    out = decoder(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [n, T, H]
-    num_prompt = prompt_ids.shape[1]
-    predicting = hidden[:, num_prompt - 1:-1]  # [n, C, H]: position t-1 predicts completion token t
+    if share_prompt and can_share_prompt(model, prompt_ids, prompt_mask):
+        predicting = _shared_prompt_hidden(decoder, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    else:
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, T]
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
+        out = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+        hidden = _last_hidden(out)  # [n, T, H]
+        predicting = hidden[:, prompt_ids.shape[1] - 1:-1]  # [n, C, H]: position t-1 predicts completion token t
     keep = completion_mask.bool()
     selected = selective_logprobs(
         predicting[keep],
@@ -166,3 +176,46 @@ def completion_logprobs(
     if not with_entropy:
         return zeros.masked_scatter(keep, selected)
     return zeros.masked_scatter(keep, selected[0]), zeros.masked_scatter(keep, selected[1])
+
+
+def _last_hidden(out) -> Tensor:
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _distinct_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(first row of each distinct prompt [u], the distinct prompt of each row [n])."""
+    keyed = torch.cat([prompt_ids, prompt_mask.long()], dim=1)
+    _, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), prompt_ids.shape[0], dtype=torch.long, device=inverse.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(len(inverse), device=inverse.device), reduce="amin")
+    return first, inverse
+
+
+def can_share_prompt(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> bool:
+    """Whether the prompt-sharing pass applies: rows repeat a prompt, and the decoder keeps its KV
+    cache in this mode (transformers drops the cache under gradient checkpointing in training)."""
+    if prompt_ids.shape[0] < 2 or prompt_ids.shape[1] < 1:
+        return False
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    if checkpointing and model.training and torch.is_grad_enabled():
+        return False
+    return len(torch.unique(torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0)) < prompt_ids.shape[0]
+
+
+def _shared_prompt_hidden(decoder: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                          completion_mask: Tensor) -> Tensor:
+    """[n, C, H] hidden states predicting each completion token, the prompt run once per distinct prompt."""
+    first, inverse = _distinct_rows(prompt_ids, prompt_mask)
+    head_mask = prompt_mask[first].long()  # [u, P]
+    out = decoder(input_ids=prompt_ids[first], attention_mask=head_mask,
+                  position_ids=position_ids_from_mask(head_mask), use_cache=True)
+    name = "cache" if getattr(out, "cache", None) is not None else "past_key_values"  # transformers >= 5.2x: cache
+    cache = getattr(out, name)
+    cache.batch_select_indices(inverse)  # [u, ...] -> [n, ...]; differentiable gathers
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
+    num_prompt = prompt_ids.shape[1]
+    rest = decoder(input_ids=completion_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask)[:, num_prompt:], use_cache=True,
+                   **{name: cache})
+    last_prompt = _last_hidden(out)[:, -1][inverse]  # [n, H]: predicts completion token 0
+    return torch.cat([last_prompt[:, None], _last_hidden(rest)[:, :-1]], dim=1)

@@ -11,12 +11,15 @@ __all__ = ["load_model"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(name_or_path: str | Path, *, dtype: str = "float32"):
+def load_model(name_or_path: str | Path, *, dtype: str = "float32", plan=None):
     """Loads a causal LM and its tokenizer; the tokenizer gets a pad token if it has none.
 
     Args:
         name_or_path: a local folder in transformers layout, or a hub id (needs the network once).
         dtype: "float32", "bfloat16" or "float16".
+        plan: a ``MemoryPlan``; its ``dtype`` replaces ``dtype``, and with ``quantization="nf4"`` the
+            linear layers are quantised to 4 bits while loading, so the full-precision weights are
+            never all in memory at once.
 
     Returns:
         ``(model, tokenizer)``.
@@ -25,7 +28,15 @@ def load_model(name_or_path: str | Path, *, dtype: str = "float32"):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
-        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=_DTYPES[dtype])
+        kwargs = {}
+        if plan is not None:
+            dtype = plan.dtype
+            if plan.quantization is not None:
+                from grpo_engine.memory.apply import bnb_4bit_config
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                kwargs = {"quantization_config": bnb_4bit_config(plan), "device_map": device}
+        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=_DTYPES[dtype], **kwargs)
     except OSError as exc:
         raise OSError(f"could not load model {str(name_or_path)!r}: {exc}. Pass a local folder in "
                       "transformers layout (config.json + weights + tokenizer), or a hub id while online") from exc

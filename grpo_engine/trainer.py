@@ -35,7 +35,13 @@ from grpo_engine.eval import evaluate
 from grpo_engine.logging import MetricsLogger, StageTimer
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.losses import ClippedSurrogate, KLRewardPenalty
-from grpo_engine.memory.apply import ReferencePolicy, build_optimizer, prepare_model, trainable_parameters
+from grpo_engine.memory.apply import (
+    ReferencePolicy,
+    activation_offload,
+    build_optimizer,
+    prepare_model,
+    trainable_parameters,
+)
 from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.models import load_model
 from grpo_engine.protocols import AdvantageFn, EntropyEstimator, GRPOLoss, RewardFn, Sampler
@@ -111,7 +117,7 @@ class GRPOTrainer:
         self.memory = memory = memory if memory is not None else MemoryPlan()
         torch.manual_seed(config.seed)
         if isinstance(model, (str, Path)):
-            model, loaded_tokenizer = load_model(model, dtype=memory.dtype)
+            model, loaded_tokenizer = load_model(model, plan=memory)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         if tokenizer is None:
             raise ValueError("a model object needs its tokenizer: pass GRPOTrainer(model, ..., tokenizer=tokenizer)")
@@ -123,7 +129,7 @@ class GRPOTrainer:
         self.sampler = sampler if sampler is not None else HFSampler(
             self.model, tokenizer, template=template, max_prompt_tokens=config.max_prompt_tokens,
             max_completion_tokens=config.max_completion_tokens, temperature=config.temperature,
-            top_p=config.top_p, top_k=config.top_k,
+            top_p=config.top_p, top_k=config.top_k, share_prompt=memory.share_prompt,
             return_logprobs=any(getattr(c, "requires_sampler_logprobs", False) for c in (loss, entropy)),
         )
         self.advantage = advantage if advantage is not None else GroupNormalized()
@@ -306,10 +312,12 @@ class GRPOTrainer:
             trained_tokens = max(1, int(batch.completion_mask[rows].sum()))
             for idx in rows.split(self.memory.micro_batch_size) if rows.numel() else ():
                 pid, pmask, cid, cmask = batch.trimmed(idx)
-                out = completion_logprobs(  # token entropy comes from the same chunked pass
-                    self.model, pid, pmask, cid, cmask, temperature=self.temperature,
-                    chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy,
-                    vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=pass_entropy)
+                with activation_offload(self.memory):  # what backward needs goes to CPU memory, if planned
+                    out = completion_logprobs(  # token entropy comes from the same chunked pass
+                        self.model, pid, pmask, cid, cmask, temperature=self.temperature,
+                        chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy,
+                        vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=pass_entropy,
+                        share_prompt=self.memory.share_prompt)
                 logprobs, entropy = out if with_entropy else (out, None)
                 if entropy is not None:
                     sums["entropy/token_mean"] += float(token_entropy_mean(entropy.detach(), cmask, trained_tokens))
@@ -366,7 +374,8 @@ class GRPOTrainer:
             pid, pmask, cid, cmask = batch.trimmed(idx)
             out[idx, :cid.shape[1]] = completion_logprobs(
                 model, pid, pmask, cid, cmask, temperature=self.temperature,
-                chunk_size=self.memory.logprob_chunk_size, vocab_tile=self.memory.logprob_vocab_tile).cpu()
+                chunk_size=self.memory.logprob_chunk_size, vocab_tile=self.memory.logprob_vocab_tile,
+                share_prompt=self.memory.share_prompt).cpu()
         return out
 
     # -- metrics, schedule, saving ----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Applies a MemoryPlan to a transformers causal LM: dtype, LoRA, checkpointing, optimizer.
+"""Applies a MemoryPlan to a transformers causal LM: dtype, 4-bit base, LoRA, checkpointing, optimizer.
 
 Dropout of the base model is switched off (as TRL does for GRPO): the log-probs of a completion
 must not depend on a dropout draw, otherwise the importance ratio of an on-policy update would not
@@ -16,7 +16,10 @@ from torch import nn
 
 from grpo_engine.memory.plan import MemoryPlan
 
-__all__ = ["prepare_model", "build_optimizer", "ReferencePolicy", "trainable_parameters"]
+__all__ = [
+    "prepare_model", "build_optimizer", "ReferencePolicy", "trainable_parameters", "quantize_4bit_",
+    "is_quantized_4bit", "activation_offload", "bnb_4bit_config",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,7 +34,18 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
     Returns:
         The model to train (a ``peft.PeftModel`` under LoRA).
     """
-    model = model.to(_DTYPES[plan.dtype])
+    dtype = _DTYPES[plan.dtype]
+    if is_quantized_4bit(model):
+        if plan.quantization is None:
+            raise ValueError("the model is loaded in 4 bits but the MemoryPlan has quantization=None; use "
+                             "MemoryPlan(quantization='nf4', lora=LoRA(...)), or load it without quantization")
+        for param in model.parameters():  # 4-bit weights stay packed; embeddings and norms take the dtype
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+    else:
+        model = model.to(dtype)
+        if plan.quantization is not None:
+            quantize_4bit_(model, compute_dtype=dtype)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -63,6 +77,56 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
     return model
 
 
+def bnb_4bit_config(plan: MemoryPlan):
+    """The transformers ``BitsAndBytesConfig`` of the plan's 4-bit base (NF4, double quantisation)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=plan.quantization, bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=_DTYPES[plan.dtype],
+    )
+
+
+def is_quantized_4bit(model: nn.Module) -> bool:
+    """Whether any weight of ``model`` is a bitsandbytes 4-bit parameter."""
+    return any(type(p).__name__ == "Params4bit" for p in model.parameters())
+
+
+def quantize_4bit_(model: nn.Module, *, compute_dtype: torch.dtype, quant_type: str = "nf4") -> nn.Module:
+    """Replaces every ``nn.Linear`` but the output head with a bitsandbytes 4-bit layer, in place.
+
+    The same layers transformers quantises when loading with ``load_in_4bit`` (the lm_head and the
+    embeddings stay in ``compute_dtype``), with double quantisation of the block scales. The full-
+    precision weights exist until each layer is replaced; to never hold them, load with
+    ``grpo_engine.load_model(path, plan=plan)`` instead.
+    """
+    import bitsandbytes as bnb
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and module is not head]
+    for name, linear in targets:
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                  compute_dtype=compute_dtype, compress_statistics=True, quant_type=quant_type)
+        device = linear.weight.device
+        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=True,
+                                         quant_type=quant_type)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        setattr(parent, name.rpartition(".")[2], layer.to(device))  # .to() quantises the weight
+    model.is_loaded_in_4bit = True  # what transformers sets; peft then wraps the layers with its 4-bit LoRA
+    return model
+
+
+def activation_offload(plan: MemoryPlan) -> contextlib.AbstractContextManager:
+    """The context a training forward + backward runs in: saved activations go to CPU memory when
+    ``plan.offload_activations`` (pinned when CUDA is available, so the copies are asynchronous)."""
+    if not plan.offload_activations:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters that receive gradients."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -77,7 +141,7 @@ def build_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
-    """AdamW (torch) or 8-bit AdamW (bitsandbytes) over the trainable parameters."""
+    """AdamW (torch), or bitsandbytes 8-bit / paged AdamW, over the trainable parameters."""
     params = trainable_parameters(model)
     if not params:
         raise ValueError("the model has no trainable parameters; check MemoryPlan.lora.target_modules "
@@ -87,8 +151,11 @@ def build_optimizer(
     try:
         import bitsandbytes as bnb
     except ImportError as exc:  # pragma: no cover - bitsandbytes is a core dependency
-        raise ImportError("MemoryPlan(optimizer='adamw8bit') needs bitsandbytes: pip install bitsandbytes") from exc
-    return bnb.optim.AdamW8bit(params, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
+        raise ImportError(f"MemoryPlan(optimizer={plan.optimizer!r}) needs bitsandbytes: "
+                          "pip install bitsandbytes") from exc
+    cls = {"adamw8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
+           "paged_adamw8bit": bnb.optim.PagedAdamW8bit}[plan.optimizer]
+    return cls(params, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 class ReferencePolicy:

@@ -7,7 +7,18 @@ optimizer. Nothing in the step loop branches on it.
   term is then the same model with its adapters disabled, so no second copy is ever built.
 - ``gradient_checkpointing``: recompute each layer's activations in the backward pass
   (about +1 forward of compute for far less activation memory).
-- ``optimizer``: ``adamw`` (torch) or ``adamw8bit`` (bitsandbytes 8-bit AdamW states).
+- ``quantization``: ``"nf4"`` holds the frozen base in 4-bit NF4 (bitsandbytes, double quantisation,
+  compute in ``dtype``) under LoRA adapters whose master weights stay float32: QLoRA.
+- ``optimizer``: ``adamw`` (torch), ``adamw8bit`` (bitsandbytes 8-bit AdamW states), or their paged
+  variants ``paged_adamw`` / ``paged_adamw8bit`` (states in unified memory that the driver pages to
+  the CPU under pressure; on a CPU-only machine bitsandbytes falls back to non-paged, with a warning).
+- ``offload_activations``: keep the tensors saved for the backward pass in CPU memory (pinned) instead
+  of on the accelerator; with ``gradient_checkpointing`` only the layer inputs are saved, so this moves
+  the remaining activation memory off the card at the price of two copies per saved tensor.
+- ``share_prompt``: the G completions of a group share their prompt, so its forward (and backward)
+  runs once per group: in sampling the prompt's KV cache is computed once and repeated, and in the
+  training pass each distinct prompt of a micro-batch runs once and its KV cache is gathered to
+  the rows (not under gradient checkpointing, where transformers keeps no cache while training).
 - ``micro_batch_size``: completions per forward/backward; the step's gradient is accumulated over
   ``ceil(completions_per_step / micro_batch_size)`` micro-batches and equals the one-batch gradient.
 - ``dtype``: the dtype of the frozen base weights (LoRA adapters stay float32).
@@ -19,7 +30,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from grpo_engine.config import FrozenModel
 
@@ -61,8 +72,17 @@ class MemoryPlan(FrozenModel):
 
     lora: LoRA | None = Field(None, description="LoRA adapter settings; null trains every weight.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
-    optimizer: Literal["adamw", "adamw8bit"] = Field(
-        "adamw", description="adamw (torch) or adamw8bit (bitsandbytes 8-bit optimizer states)."
+    quantization: Literal["nf4"] | None = Field(
+        None, description="nf4: 4-bit NF4 frozen base under LoRA (QLoRA; needs lora). null: base in dtype."
+    )
+    optimizer: Literal["adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit"] = Field(
+        "adamw", description="adamw (torch), adamw8bit (bitsandbytes 8-bit states), or their paged variants."
+    )
+    offload_activations: bool = Field(
+        False, description="Keep the activations saved for backward in (pinned) CPU memory."
+    )
+    share_prompt: bool = Field(
+        True, description="Run each prompt once per group (sampling prefill and training forward), not G times."
     )
     micro_batch_size: int = Field(8, description="Completions per forward/backward (gradient accumulation).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -76,6 +96,13 @@ class MemoryPlan(FrozenModel):
         256, description="Tokens per lm_head/log-softmax chunk; bounds the logits memory to chunk x vocab "
         "floats (256 x 151,936 x 4 B = 156 MB for a Qwen2.5 vocabulary)."
     )
+
+    @model_validator(mode="after")
+    def _quantization_needs_lora(self) -> MemoryPlan:
+        if self.quantization is not None and self.lora is None:
+            raise ValueError(f"quantization={self.quantization!r} needs lora: a 4-bit base cannot be trained "
+                             "itself; add lora=LoRA(r=16) (QLoRA), or set quantization to null")
+        return self
 
 
 MemoryPlan.field_rules = {

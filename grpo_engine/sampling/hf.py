@@ -5,6 +5,9 @@
 - The returned ids are exactly the sampled ids (never decoded and re-tokenised). A completion
   ends at its first EOS token (kept, and counted in the loss) or is truncated at
   ``max_completion_tokens``.
+- The prompt is encoded once per group (``share_prompt``): one forward over the B distinct prompts
+  fills a KV cache that is repeated G times, and generation continues from it, so the prompt
+  prefill costs B rows instead of B*G.
 - Sampling uses our own processor chain: temperature first, then top-k / top-p. The reported
   ``sampler_logprobs`` are the log-probs of the temperature-scaled distribution before any
   top-k / top-p truncation, the same quantity the trainer computes (they match exactly when
@@ -77,6 +80,8 @@ class HFSampler:
         max_completion_tokens: sampling stops here.
         temperature, top_p, top_k: sampling settings (top_p=1 and top_k=0 are off).
         return_logprobs: also report the sampled tokens' log-probs (costs one log-softmax per step).
+        share_prompt: prefill each distinct prompt once and repeat its KV cache across the group
+            (falls back to a prefill per row for models whose cache cannot be repeated).
 
     Example:
         >>> # sampler = HFSampler(model, tokenizer, max_completion_tokens=64)
@@ -95,6 +100,7 @@ class HFSampler:
         top_p: float = 1.0,
         top_k: int = 0,
         return_logprobs: bool = True,
+        share_prompt: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -105,6 +111,7 @@ class HFSampler:
         self.top_p = top_p
         self.top_k = top_k
         self.return_logprobs = return_logprobs
+        self.share_prompt = share_prompt
         self.eos_ids = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
@@ -147,9 +154,10 @@ class HFSampler:
         was_training = self.model.training
         self.model.eval()
         try:
+            cache = self._shared_prefill(ids.to(device), mask.to(device), group_size)
             sequences = self.model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
-                logits_processor=processors,
+                logits_processor=processors, **(cache or {}),
             )
         finally:
             self.model.train(was_training)
@@ -165,6 +173,24 @@ class HFSampler:
             completion_ids=completion_ids, completion_mask=completion_mask, is_truncated=is_truncated,
             texts=texts, sampler_logprobs=logprobs,
         )
+
+
+    def _shared_prefill(self, ids: Tensor, mask: Tensor, group_size: int):
+        """The KV cache of every prompt token but the last, computed once per prompt and repeated G
+        times, as the keyword ``generate`` takes it; ``generate`` then runs the last prompt token and
+        samples. None when not shared."""
+        if not self.share_prompt or group_size == 1 or ids.shape[1] < 2:
+            return None
+        head = mask[:, :-1].long()
+        position_ids = (head.cumsum(dim=1) - 1).clamp(min=0)  # left padding: positions count real tokens
+        out = self.model(input_ids=ids[:, :-1], attention_mask=head, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1)
+        name = "cache" if getattr(out, "cache", None) is not None else "past_key_values"  # transformers >= 5.2x: cache
+        cache = getattr(out, name, None)
+        if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+            return None
+        cache.batch_repeat_interleave(group_size)
+        return {name: cache}
 
 
 def completion_mask_from_ids(completion_ids: Tensor, eos_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
