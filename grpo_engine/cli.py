@@ -1,4 +1,4 @@
-"""The ``grpo-engine`` command: ``train CONFIG.yaml``, ``eval``, ``demo``, ``example-config``.
+"""The ``grpo-engine`` command: ``train CONFIG.yaml``, ``eval``, ``plan``, ``demo``, ``example-config``.
 
 The core never imports this module.
 """
@@ -197,6 +197,51 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", required=True, help="path of the JSON report (written atomically)")
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from grpo_engine.memory.estimate import Workload, estimate_memory, plan_for_budget
+
+    try:
+        workload = Workload(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                            prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens, kl=args.kl)
+        base = MemoryPlan(lora=None if args.full_finetune else LoRA(r=args.lora_r, alpha=2 * args.lora_r),
+                          dtype=args.dtype, micro_batch_size=args.micro_batch_size or workload.rows)
+        print(f"model {args.model}; {workload.prompts_per_step} prompts x {workload.group_size} completions, "
+              f"{workload.prompt_tokens} + {workload.completion_tokens} tokens{', KL' if workload.kl else ''}\n")
+        print("Without memory savings:")
+        print(estimate_memory(args.model, base, workload).table())
+        choice = plan_for_budget(args.model, workload, args.budget_gib, base=base, margin=args.margin)
+    except (ValueError, ValidationError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"\nChosen for {args.budget_gib:g} GiB: {choice.reason}\n")
+    print(choice.estimate.table())
+    print("\nmemory:  # paste into the run file")
+    print(textwrap.indent(choice.plan.to_yaml(), "  "), end="")
+    return 0
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="predict peak accelerator memory and choose a MemoryPlan that fits a budget",
+        description="Prints the predicted memory by part and phase without savings, then the plan with the least "
+        "estimated slowdown whose peak (plus a margin) fits --budget-gib, as YAML for a run file. Predicts tensor "
+        "memory (torch.cuda.max_memory_allocated); the CUDA context (~0.3-0.5 GiB) comes on top.")
+    p.add_argument("--model", required=True, help="a folder with config.json, a hub id (online), or one of "
+                   "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, llama-3.2-1b, smollm2-135m")
+    p.add_argument("--budget-gib", type=_positive(float), required=True, help="accelerator memory, GiB")
+    p.add_argument("--prompts-per-step", type=_positive(int), default=4, help="B (default %(default)s)")
+    p.add_argument("--group-size", type=_positive(int), default=8, help="G (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=_positive(int), default=256, help="P (default %(default)s)")
+    p.add_argument("--completion-tokens", type=_positive(int), default=1024, help="C (default %(default)s)")
+    p.add_argument("--kl", action="store_true", help="a KL term (a reference copy under full fine-tuning)")
+    p.add_argument("--lora-r", type=_positive(int), default=16, help="LoRA rank (default %(default)s)")
+    p.add_argument("--full-finetune", action="store_true", help="train every weight instead of LoRA")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype (default %(default)s)")
+    p.add_argument("--micro-batch-size", type=_positive(int), help="largest micro-batch to consider (default B*G)")
+    p.add_argument("--margin", type=float, default=0.15, help="safety margin on the prediction (default %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``grpo-engine``."""
     parser = argparse.ArgumentParser(
@@ -208,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", help="path to the YAML run file")
     _add_eval_parser(sub)
+    _add_plan_parser(sub)
     from grpo_engine.demo import DemoSettings
 
     demo = sub.add_parser("demo", help="train SmolLM2-135M-Instruct on arithmetic on this CPU (minutes)",
@@ -231,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _eval(args)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "plan":
+        return _plan(args)
     print(EXAMPLE, end="")
     return 0
 

@@ -279,6 +279,7 @@ class GRPOTrainer:
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
         metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), max_norm))
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # no gradient memory held while the next batch samples
         return metrics
 
     def compute_gradients(self, batch: RolloutBatch, advantages: Tensor, *, old_logprobs: Tensor | None = None,

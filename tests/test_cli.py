@@ -63,3 +63,19 @@ memory: {{lora: {{r: 2, alpha: 4}}, micro_batch_size: 4}}
     assert len(lines) == 2 and "reward/digit_share/mean" in json.loads(lines[0])
     assert (out / "final" / "adapter_config.json").is_file()
     assert RunSpec.from_yaml(out / "run.yaml").config.max_steps == 2
+
+
+def test_plan_prints_the_breakdown_and_a_plan_that_fits(capsys):
+    from grpo_engine.memory.estimate import Workload, estimate_memory
+
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--budget-gib", "8", "--completion-tokens", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "Without memory savings:" in out and "<- peak" in out and "Chosen for 8 GiB" in out
+    plan = MemoryPlan.from_yaml(out.split("memory:  # paste into the run file\n")[1].replace("\n  ", "\n")[2:])
+    workload = Workload(prompts_per_step=4, group_size=8, prompt_tokens=256, completion_tokens=1024)
+    assert estimate_memory("qwen2.5-1.5b", plan, workload).peak_gib * 1.15 <= 8
+
+
+def test_plan_says_when_nothing_fits(capsys):
+    assert main(["plan", "--model", "qwen2.5-7b", "--budget-gib", "2"]) == 2
+    assert "no plan fits 2 GiB" in capsys.readouterr().err

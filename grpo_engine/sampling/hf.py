@@ -181,6 +181,8 @@ class HFSampler:
         samples. None when not shared."""
         if not self.share_prompt or group_size == 1 or ids.shape[1] < 2:
             return None
+        if getattr(self.model, "config", None) is None or not hasattr(self.model, "get_decoder"):
+            return None  # not a transformers model: only its generate() is used
         head = mask[:, :-1].long()
         position_ids = (head.cumsum(dim=1) - 1).clamp(min=0)  # left padding: positions count real tokens
         out = self.model(input_ids=ids[:, :-1], attention_mask=head, position_ids=position_ids,

@@ -1,0 +1,362 @@
+"""Predicts the peak accelerator memory of a GRPO run before it starts, and picks a plan that fits.
+
+The model is analytic: every term is a count of tensor elements times their bytes, from the model's
+shape (its transformers config), the ``MemoryPlan`` and the workload. A step has three phases, and
+the peak is the largest of them:
+
+    resident  = weights + adapters + optimizer state (+ a frozen reference copy under full FT + KL)
+    sampling  = resident + KV cache of B*G rows x (P + C) tokens + per-step logits [B*G, V] fp32
+    training  = resident + gradients + saved activations of one micro-batch + one layer's backward
+                + one tile of lm_head logits (chunk x tile fp32, x3: logits, exp, gradient)
+    optimizer = resident + gradients + the update's temporaries
+
+The activation coefficients (bytes saved per token per layer) were fitted to the tensors autograd
+saves, measured with saved-tensor hooks on seven Llama shapes (``tests/test_memory_estimate.py``
+checks them again on other Llama and Qwen2 shapes, within 15%). h = hidden, f = intermediate,
+k = kv_heads * head_dim:
+
+    float32, frozen base (LoRA):    30 h + 18 f + 11 k
+    float32, every weight trained:  40 h + 18 f + 11 k
+    bf16/fp16, frozen base (LoRA):  40 h + 11 f +  6 k   (peft runs the fp32 adapters on fp32 copies
+    bf16/fp16, every weight:        25 h +  9 f +  6 k    of their inputs; norms save fp32 inputs)
+    gradient checkpointing:         the layer input (h elements) per layer, + ~6 h bytes per token
+
+What it predicts is tensor memory (``torch.cuda.max_memory_allocated``), not what the driver
+reports: add the CUDA context (~0.3-0.5 GiB) and allocator slack for ``nvidia-smi``.
+``plan_for_budget`` keeps a safety margin (15% by default) for what the model leaves out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from grpo_engine.config import FrozenModel
+from grpo_engine.memory.plan import LoRA, MemoryPlan
+
+__all__ = ["ModelShape", "Workload", "MemoryEstimate", "PlanChoice", "estimate_memory", "plan_for_budget",
+           "KNOWN_SHAPES", "GIB"]
+
+GIB = 1024**3
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# NF4: 4 bits per weight, one fp8 absmax per 64-weight block, and (double quantisation) one fp32
+# scale per 256 blocks: 0.5 + 1/64 + 4/(64*256) bytes per quantised weight.
+_NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+# bytes per token per layer: (x h, x f, x k), by (weights are 4-byte, every weight trained)
+_ACT_BYTES = {
+    (True, False): (30.0, 18.0, 11.0),
+    (True, True): (40.0, 18.0, 11.0),
+    (False, False): (40.0, 11.0, 6.0),
+    (False, True): (25.0, 9.0, 6.0),
+}
+_CHECKPOINT_CONSTANT = 6.0  # x h bytes per token outside the layers under checkpointing
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a Llama / Qwen2 / Mistral-style decoder that memory depends on.
+
+    Example:
+        >>> shape = KNOWN_SHAPES["qwen2.5-0.5b"]
+        >>> round(shape.num_params / 1e6)
+        494
+    """
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tie_embeddings: bool
+    head_dim: int | None = None
+    qkv_bias: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        """kv_heads x head_dim: the width of one layer's keys (and of its values)."""
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of every linear layer in one decoder layer (q, k, v, o, gate, up, down)."""
+        h, f, q, k = self.hidden, self.intermediate, self.q_dim, self.kv_dim
+        return [(h, q), (h, k), (h, k), (q, h), (h, f), (h, f), (f, h)]
+
+    @property
+    def linear_params(self) -> int:
+        """Weights of the decoder layers' linear layers (what 4-bit quantisation packs)."""
+        return self.layers * sum(i * o for i, o in self.linear_shapes())
+
+    @property
+    def num_params(self) -> int:
+        """Every parameter: embeddings, linear layers, biases, norms, output head."""
+        bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        norms = self.layers * 2 * self.hidden + self.hidden
+        head = 0 if self.tie_embeddings else self.vocab * self.hidden
+        return self.vocab * self.hidden + self.linear_params + self.layers * bias + norms + head
+
+    def lora_params(self, lora: LoRA) -> int:
+        """Adapter parameters: r x (in + out) for every adapted linear layer."""
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        targets = lora.target_modules
+        chosen = [s for n, s in zip(names, self.linear_shapes()) if targets == "all-linear" or n in targets]
+        return self.layers * sum(lora.r * (i + o) for i, o in chosen)
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a transformers config (object or dict), a folder with ``config.json``, or a name in
+        ``KNOWN_SHAPES``."""
+        if isinstance(config, ModelShape):
+            return config
+        if isinstance(config, str) and config.lower() in KNOWN_SHAPES:
+            return KNOWN_SHAPES[config.lower()]
+        if isinstance(config, (str, Path)):
+            from transformers import AutoConfig
+
+            try:
+                config = AutoConfig.from_pretrained(str(config))
+            except OSError as exc:
+                raise ValueError(f"no model config at {str(config)!r}: pass a folder with config.json, a hub id "
+                                 f"while online, or one of {sorted(KNOWN_SHAPES)}") from exc
+        get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if get(k) is None]
+        if missing:
+            raise ValueError(f"the model config lacks {missing}; the estimator knows decoder-only Llama / Qwen2 / "
+                             "Mistral-style configs")
+        model_type = get("model_type", "")
+        return cls(
+            hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=get("num_attention_heads"),
+            kv_heads=get("num_key_value_heads") or get("num_attention_heads"), intermediate=get("intermediate_size"),
+            vocab=get("vocab_size"), tie_embeddings=bool(get("tie_word_embeddings", False)),
+            head_dim=get("head_dim"), qkv_bias=bool(get("attention_bias", False)) or model_type == "qwen2",
+        )
+
+
+KNOWN_SHAPES: dict[str, ModelShape] = {  # from the released models' config.json
+    "smollm2-135m": ModelShape(576, 30, 9, 3, 1536, 49_152, True),
+    "qwen2.5-0.5b": ModelShape(896, 24, 14, 2, 4864, 151_936, True, qkv_bias=True),
+    "qwen2.5-1.5b": ModelShape(1536, 28, 12, 2, 8960, 151_936, True, qkv_bias=True),
+    "qwen2.5-3b": ModelShape(2048, 36, 16, 2, 11_008, 151_936, True, qkv_bias=True),
+    "qwen2.5-7b": ModelShape(3584, 28, 28, 4, 18_944, 152_064, False, qkv_bias=True),
+    "llama-3.2-1b": ModelShape(2048, 16, 32, 8, 8192, 128_256, True, head_dim=64),
+}
+
+
+class Workload(FrozenModel):
+    """What one GRPO step processes.
+
+    Example:
+        >>> Workload(prompts_per_step=4, group_size=8, prompt_tokens=256, completion_tokens=1024).rows
+        32
+    """
+
+    prompts_per_step: int = Field(4, description="B: prompts per step.")
+    group_size: int = Field(8, description="G: completions per prompt.")
+    prompt_tokens: int = Field(256, description="P: prompt length (the longest in a batch sets the width).")
+    completion_tokens: int = Field(1024, description="C: completion length (plan for the maximum).")
+    kl: bool = Field(False, description="A KL term to a reference policy (a frozen copy under full fine-tuning).")
+
+    @property
+    def rows(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @classmethod
+    def from_config(cls, config: Any, *, prompt_tokens: int | None = None, kl: bool = False) -> Workload:
+        """From a ``GRPOConfig``: its B, G, and maximum prompt and completion lengths."""
+        return cls(prompts_per_step=config.prompts_per_step, group_size=config.group_size,
+                   prompt_tokens=prompt_tokens or config.max_prompt_tokens,
+                   completion_tokens=config.max_completion_tokens, kl=kl)
+
+
+Workload.field_rules = {
+    name: (lambda v: v >= 1, "must be >= 1", f"set {name} to a positive integer")
+    for name in ("prompts_per_step", "group_size", "prompt_tokens", "completion_tokens")
+}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The predicted memory of each part (bytes) and the peak over the phases of a step."""
+
+    parts: dict[str, float]
+    phases: dict[str, float]
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__)
+
+    def table(self) -> str:
+        """The breakdown as aligned text, GiB."""
+        lines = [f"{'part':<28}{'GiB':>9}"]
+        lines += [f"{name:<28}{value / GIB:>9.3f}" for name, value in self.parts.items()]
+        lines.append("")
+        lines += [f"{'phase: ' + name:<28}{value / GIB:>9.3f}" + ("  <- peak" if name == self.peak_phase else "")
+                  for name, value in self.phases.items()]
+        return "\n".join(lines)
+
+
+def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryEstimate:
+    """Predicts the peak tensor memory of one GRPO step, by part and by phase.
+
+    Args:
+        model: a ``ModelShape``, a transformers config, a folder with ``config.json`` or a name in
+            ``KNOWN_SHAPES``.
+        plan: the memory plan.
+        workload: B, G, prompt and completion lengths, KL on/off.
+
+    Example:
+        >>> est = estimate_memory("qwen2.5-0.5b", MemoryPlan(lora=LoRA(r=16), dtype="bfloat16"),
+        ...                       Workload(prompts_per_step=4, group_size=8, prompt_tokens=128,
+        ...                                completion_tokens=256))
+        >>> est.peak_phase, round(est.parts["weights"] / 2**20)
+        ('training', 942)
+    """
+    s = ModelShape.from_config(model)
+    w = workload
+    dt = _BYTES[plan.dtype]
+    parts: dict[str, float] = {}
+
+    # resident: weights, adapters, optimizer state
+    if plan.quantization is not None:
+        parts["weights"] = (s.num_params - s.linear_params) * dt + s.linear_params * _NF4_BYTES
+    else:
+        parts["weights"] = s.num_params * dt
+    if plan.lora is not None:
+        trainable, grad_bytes, state_dtype_bytes = s.lora_params(plan.lora), 4, 4  # fp32 master adapters
+        parts["adapters"] = trainable * 4
+    else:
+        trainable, grad_bytes, state_dtype_bytes = s.num_params, dt, dt  # torch AdamW keeps states in param dtype
+        parts["adapters"] = 0
+    eight_bit = plan.optimizer in ("adamw8bit", "paged_adamw8bit")
+    parts["optimizer_state"] = trainable * (2 if eight_bit else 2 * state_dtype_bytes)
+    parts["reference_copy"] = parts["weights"] if (w.kl and plan.lora is None) else 0
+    resident = parts["weights"] + parts["adapters"] + parts["optimizer_state"] + parts["reference_copy"]
+
+    # sampling: the KV cache of every row, and one decoding step's logits (fp32, a few copies)
+    length = w.prompt_tokens + w.completion_tokens
+    parts["kv_cache"] = w.rows * length * s.layers * 2 * s.kv_dim * dt
+    parts["sampling_logits"] = w.rows * s.vocab * 4 * 3
+    sampling = resident + parts["kv_cache"] + parts["sampling_logits"]
+
+    # training: gradients, saved activations of one micro-batch, one layer's backward, one logits tile
+    parts["gradients"] = trainable * grad_bytes
+    m = min(plan.micro_batch_size, w.rows)
+    groups_in_micro = math.ceil(m / w.group_size) if plan.share_prompt else m
+    tokens = m * w.completion_tokens + groups_in_micro * w.prompt_tokens
+    if plan.share_prompt and plan.gradient_checkpointing:  # no KV cache under checkpointing: full rows
+        tokens = m * length
+    a_h, a_f, a_k = _ACT_BYTES[(dt == 4, plan.lora is None)]
+    per_layer = a_h * s.hidden + a_f * s.intermediate + a_k * s.kv_dim  # bytes per token
+    one_layer = tokens * per_layer
+    if plan.gradient_checkpointing:
+        saved = tokens * (s.layers * s.hidden * dt + _CHECKPOINT_CONSTANT * s.hidden)
+    else:
+        saved = tokens * s.layers * per_layer
+    if plan.offload_activations:
+        saved = 0.0  # kept in CPU memory
+    parts["activations"] = saved
+    parts["layer_backward"] = one_layer  # recomputed layer (checkpointing) or its gradient buffers
+    chunk = min(plan.logprob_chunk_size, m * w.completion_tokens)
+    tile = min(plan.logprob_vocab_tile or s.vocab, s.vocab)
+    parts["logprob_tile"] = chunk * tile * 4 * 3
+    training = resident + parts["gradients"] + saved + one_layer + parts["logprob_tile"]
+
+    # optimizer step: torch's foreach AdamW makes fp32 temporaries the size of the trainable params
+    parts["optimizer_temporaries"] = 0 if eight_bit else trainable * 4
+    optimizer = resident + parts["gradients"] + parts["optimizer_temporaries"]
+    return MemoryEstimate(parts=parts, phases={"sampling": sampling, "training": training, "optimizer": optimizer})
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """What ``plan_for_budget`` chose, its estimate, and why."""
+
+    plan: MemoryPlan
+    estimate: MemoryEstimate
+    slowdown: float
+    reason: str
+    rejected: list[tuple[str, float]] = field(default_factory=list)  # (plan summary, peak GiB) that did not fit
+
+
+# Relative step time of each memory saving (documented estimates, not measurements; docs/memory.md):
+_SLOWDOWN = {"gradient_checkpointing": 1.25, "adamw8bit": 1.01, "quantization": 1.2, "offload_activations": 1.1}
+
+
+def _summary(plan: MemoryPlan) -> str:
+    bits = [f"LoRA r={plan.lora.r}" if plan.lora else "full fine-tuning", plan.dtype]
+    bits += ["NF4 base"] if plan.quantization else []
+    bits += ["gradient checkpointing"] if plan.gradient_checkpointing else []
+    bits += [plan.optimizer, f"micro-batch {plan.micro_batch_size}"]
+    bits += ["activations offloaded"] if plan.offload_activations else []
+    return ", ".join(bits)
+
+
+def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: MemoryPlan | None = None,
+                    margin: float = 0.15) -> PlanChoice:
+    """The plan with the least slowdown whose predicted peak, plus ``margin``, fits ``budget_gib``.
+
+    Candidates start from ``base`` (default: LoRA r=16 in bfloat16, prompt sharing on) and add, in
+    every combination, a smaller micro-batch (halving; ~2% slower each), 8-bit optimizer states,
+    gradient checkpointing, a 4-bit NF4 base (under LoRA) and, with checkpointing, activation
+    offload (then only the layer inputs travel to CPU memory). Each choice's slowdown is the product
+    of its parts' estimated costs; the cheapest that fits wins.
+
+    Raises:
+        ValueError: when no candidate fits, naming the smallest peak found.
+    """
+    base = base if base is not None else MemoryPlan(lora=LoRA(r=16, alpha=32), dtype="bfloat16")
+    if budget_gib <= 0:
+        raise ValueError(f"budget_gib={budget_gib} must be > 0; pass the accelerator's memory in GiB, e.g. 8")
+    micro = [m for m in (workload.rows, 16, 8, 4, 2, 1) if m <= min(workload.rows, base.micro_batch_size)]
+    micro = sorted(set(micro) | {min(workload.rows, base.micro_batch_size)}, reverse=True)
+    candidates: list[tuple[float, MemoryPlan]] = []
+    for m in micro:
+        for eight_bit in (False, True):
+            for ckpt in (False, True):
+                for quant in ((False, True) if base.lora is not None else (False,)):
+                    for offload in ((False, True) if ckpt or base.gradient_checkpointing else (False,)):
+                        plan = base.model_copy(update={
+                            "micro_batch_size": m,
+                            "optimizer": "adamw8bit" if eight_bit else base.optimizer,
+                            "gradient_checkpointing": ckpt or base.gradient_checkpointing,
+                            "quantization": "nf4" if quant else base.quantization,
+                            "offload_activations": offload or base.offload_activations,
+                        })
+                        slow = 1.02 ** math.log2(micro[0] / m)
+                        slow *= _SLOWDOWN["adamw8bit"] if eight_bit else 1.0
+                        slow *= _SLOWDOWN["gradient_checkpointing"] if ckpt else 1.0
+                        slow *= _SLOWDOWN["quantization"] if quant else 1.0
+                        slow *= _SLOWDOWN["offload_activations"] if offload else 1.0
+                        candidates.append((slow, plan))
+    candidates.sort(key=lambda c: c[0])
+    rejected: list[tuple[str, float]] = []
+    limit = budget_gib / (1 + margin)
+    for slow, plan in candidates:
+        est = estimate_memory(model, plan, workload)
+        if est.peak_gib <= limit:
+            reason = (f"{_summary(plan)}: predicted peak {est.peak_gib:.2f} GiB ({est.peak_phase}) fits "
+                      f"{budget_gib:g} GiB with a {margin:.0%} margin; estimated step time x{slow:.2f} of the "
+                      f"fastest candidate; {len(rejected)} faster candidates did not fit")
+            return PlanChoice(plan=plan, estimate=est, slowdown=slow, reason=reason, rejected=rejected)
+        rejected.append((_summary(plan), est.peak_gib))
+    smallest = min(rejected, key=lambda r: r[1])
+    raise ValueError(f"no plan fits {budget_gib:g} GiB (with a {margin:.0%} margin): the smallest predicted peak is "
+                     f"{smallest[1]:.2f} GiB ({smallest[0]}); shorten completion_tokens, lower group_size or "
+                     "prompts_per_step, or use a smaller model")
