@@ -56,6 +56,9 @@ SHAPES: dict[str, ModelShape] = {
                                vocab=151_936, tie_embeddings=True, max_positions=32_768),
     "qwen2.5-1.5b": ModelShape("qwen2", hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960,
                                vocab=151_936, tie_embeddings=True, max_positions=32_768),
+    # Qwen2.5-7B (untied embeddings)
+    "qwen2.5-7b": ModelShape("qwen2", hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18_944,
+                             vocab=152_064, tie_embeddings=False, max_positions=32_768),
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

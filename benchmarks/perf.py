@@ -80,6 +80,7 @@ class Preset:
     lora_r: int | None = None  # None = full fine-tuning
     lora_alpha: float = 32.0
     gradient_checkpointing: bool = False
+    quantization: str | None = None  # "nf4": a 4-bit base (ours only: run with --engines ours)
     kl_coef: float = 0.0
     learning_rate: float = 1e-5
     warmup_steps: int = 1
@@ -103,6 +104,16 @@ PRESETS: dict[str, Preset] = {
     "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="bfloat16", prompts_per_step=8, group_size=8,
                        prompt_tokens=128, completion_tokens=512, micro_batch_size=16, learning_rate=1e-6,
                        warmup_steps=1, measured_steps=2, repetitions=1, worker_timeout_s=100),
+    # the issue-5 workload under the plan `grpo-engine plan --model qwen2.5-1.5b --budget-gib 8` picks
+    "gpu-1.5b-8gib": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
+                            prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
+                            lora_alpha=32.0, gradient_checkpointing=True, learning_rate=1e-5, warmup_steps=1,
+                            measured_steps=1, repetitions=1, worker_timeout_s=140),
+    # a 7B shape under QLoRA (ours only: --engines ours)
+    "gpu-7b-qlora": Preset("qwen2.5-7b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
+                           prompt_tokens=128, completion_tokens=1024, micro_batch_size=4, lora_r=16, lora_alpha=32.0,
+                           gradient_checkpointing=True, quantization="nf4", learning_rate=1e-5, warmup_steps=1,
+                           measured_steps=1, repetitions=1, worker_timeout_s=200),
     "gpu-1.5b": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                        prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16, lora_alpha=32.0,
                        learning_rate=1e-5, warmup_steps=1, measured_steps=1, repetitions=1, worker_timeout_s=140),
@@ -238,8 +249,13 @@ def run_ours(p: Preset, workdir: str) -> dict:
         progress_bar=False,
     )
     lora = LoRA(r=p.lora_r, alpha=p.lora_alpha, dropout=0.0, target_modules="all-linear") if p.lora_r else None
-    memory = MemoryPlan(lora=lora, gradient_checkpointing=p.gradient_checkpointing,
+    memory = MemoryPlan(lora=lora, gradient_checkpointing=p.gradient_checkpointing, quantization=p.quantization,
                         micro_batch_size=p.micro_batch_size, dtype=p.dtype)
+    from grpo_engine.memory.estimate import Workload, estimate_memory
+
+    predicted = estimate_memory(model.config, memory, Workload(
+        prompts_per_step=p.prompts_per_step, group_size=p.group_size, prompt_tokens=p.prompt_tokens,
+        completion_tokens=p.completion_tokens, kl=p.kl_coef > 0))
     loss = ClippedSurrogate(clip_eps_low=0.2, kl_coef=p.kl_coef, aggregation="sequence")
     trainer = GRPOTrainer(model, [HashReward()], [Prompt(t) for t in texts], config, memory, tokenizer=tokenizer,
                           advantage=GroupNormalized(), loss=loss, template=PlainTemplate("{question}"))
@@ -290,7 +306,9 @@ def run_ours(p: Preset, workdir: str) -> dict:
         "optimizer": f"{type(trainer.optimizer).__name__}(fused={trainer.optimizer.defaults.get('fused')})",
     }
     trainable = sum(x.numel() for x in trainer.model.parameters() if x.requires_grad)
-    return {"rows": rows, "memory": meter.finish(), "settings": settings, "trainable_params": trainable}
+    return {"rows": rows, "memory": meter.finish(), "settings": settings, "trainable_params": trainable,
+            "predicted_peak_mib": predicted.peak_bytes / 2**20, "predicted_phases_mib":
+            {k: v / 2**20 for k, v in predicted.phases.items()}}
 
 
 def run_trl(p: Preset, workdir: str) -> dict:
@@ -423,6 +441,7 @@ def worker(engine: str, p: Preset) -> dict:
                                                          ("completion_tokens_min", min),
                                                          ("completion_tokens_max", max))},
         **raw["memory"], "trainable_params": raw["trainable_params"], "settings": raw["settings"], "steps": raw["rows"],
+        **{k: raw[k] for k in ("predicted_peak_mib", "predicted_phases_mib") if k in raw},
     }
 
 
@@ -486,6 +505,10 @@ def _aggregate(runs: list[dict], fl: dict) -> dict:
                                  max(r["completion_tokens_max"] for r in runs)],
            "prompt_tokens": [min(r["prompt_tokens_min"] for r in runs), max(r["prompt_tokens_max"] for r in runs)],
            "step_s_runs": [r["step_s"] for r in runs], "peak_mib_runs": [r["peak_mib"] for r in runs]}
+    if "predicted_peak_mib" in runs[0]:  # ours: the estimator's prediction (grpo_engine.memory.estimate)
+        out["predicted_peak_mib"] = runs[0]["predicted_peak_mib"]
+        out["predicted_phases_mib"] = runs[0]["predicted_phases_mib"]
+        out["predicted_over_measured"] = runs[0]["predicted_peak_mib"] / out["peak_mib"]
     gen_s = out["stages"]["generation_s"]
     out["tokens_per_s"] = out["generated_tokens_per_step"] / gen_s if gen_s else None
     out["e2e_tokens_per_s"] = out["generated_tokens_per_step"] / out["step_s"]

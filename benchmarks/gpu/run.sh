@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU benchmark for a lent GPU (sized for one H200): grpo_engine vs TRL on the gpu-0.5b and gpu-1.5b
-# presets. Writes <preset>.json (full report), <preset>.log and env.txt under $OUT.
+# GPU benchmark for a lent GPU (sized for one H200): grpo_engine vs TRL on the gpu-0.5b, gpu-1.5b and
+# gpu-1.5b-8gib presets, and ours alone on gpu-7b-qlora. Each of our workers also reports the memory
+# estimator's predicted peak (predicted_peak_mib, predicted_over_measured) for the +-15% check.
+# Writes <preset>.json (full report), <preset>.log and env.txt under $OUT.
 #
 #   bash benchmarks/gpu/run.sh            # from the repository root; OUT defaults to ./perf-out
 #
@@ -29,8 +31,8 @@ fi
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-run_preset() {  # run_preset NAME PERCENT: the preset gets PERCENT of the seconds left
-  local name=$1 share=$2
+run_preset() {  # run_preset NAME PERCENT [ENGINES]: the preset gets PERCENT of the seconds left
+  local name=$1 share=$2 engines=${3:-ours,trl}
   local left=$(( TOTAL_S - ($(date +%s) - START) - 20 ))
   local budget=$(( left * share / 100 ))
   if (( budget < 60 )); then
@@ -39,11 +41,13 @@ run_preset() {  # run_preset NAME PERCENT: the preset gets PERCENT of the second
   fi
   echo "== $name: budget ${budget}s"
   timeout --kill-after=5 $(( budget + 15 )) \
-    python3 benchmarks/perf.py --preset "$name" --budget-s "$budget" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    python3 benchmarks/perf.py --preset "$name" --engines "$engines" --budget-s "$budget" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "== $name: exit $? after $(( $(date +%s) - START ))s"
   tail -n 6 "$OUT/$name.log" | cut -c1-400
 }
 
-run_preset gpu-0.5b 40
-run_preset gpu-1.5b 100
+run_preset gpu-0.5b 25
+run_preset gpu-1.5b 40
+run_preset gpu-1.5b-8gib 45
+run_preset gpu-7b-qlora 100 ours   # needs a CUDA bitsandbytes wheel in .whl/
 echo "== done in $(( $(date +%s) - START ))s; results in $OUT"
