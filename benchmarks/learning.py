@@ -48,10 +48,12 @@ mapping). The workers read back what each engine holds and the parent fails when
 
 ``--mode defaults`` (each engine as its users get it):
 
-- ours: ``DemoSettings()`` (lr 3e-4, temperature 0.7, LoRA r 16 / alpha 32, micro-batch 16,
-  128 prompt tokens) and ``GRPOConfig`` / component defaults for everything else (constant lr,
-  AdamW betas 0.9 / 0.99, clipping 1.0, ``ClippedSurrogate()`` = per-sequence mean, clip 0.2,
-  no KL, ``GroupNormalized()`` with eps 1e-6).
+- ours: ``DemoSettings()`` (lr 3e-4, temperature 1.0, LoRA r 16 / alpha 32, micro-batch 16,
+  128 prompt tokens, and its training cap of ``max_completion_tokens`` = 16 new tokens; the
+  evaluation keeps the task's ``--max-completion-tokens`` for both engines) and ``GRPOConfig`` /
+  component defaults for everything else (constant lr, AdamW betas 0.9 / 0.99, clipping 1.0,
+  ``ClippedSurrogate()`` = per-sequence mean, clip 0.2, no KL, ``GroupNormalized()`` with eps 1e-6,
+  the prompt shared across its group in sampling and in the training pass).
 - TRL: ``GRPOConfig()`` defaults except what the task fixes (``num_generations=G``, B*G
   completions per generation and per optimizer step, ``max_completion_length``, the same LoRA
   ``peft_config``) and lr 1e-4 (the issue's measured TRL recipe; TRL's default 1e-6 is meant for
@@ -249,14 +251,16 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         r, alpha, eps = IDENTICAL["lora_r"], IDENTICAL["lora_alpha"], IDENTICAL["advantage_eps"]
         micro = _micro(spec.micro_batch_size or demo.micro_batch_size, spec.completions)
         advantage, loss = GroupNormalized(eps=eps), ClippedSurrogate(aggregation=aggregation)
+        train_tokens = spec.max_completion_tokens
     else:
         lr, temperature, r, alpha = demo.learning_rate, demo.temperature, demo.lora_r, 2.0 * demo.lora_r
         micro = spec.micro_batch_size or demo.micro_batch_size
         advantage, loss = GroupNormalized(), ClippedSurrogate()
+        train_tokens = demo.max_completion_tokens  # our recipe's training cap; evaluation keeps the task's
     torch.manual_seed(spec.seed)
     config = GRPOConfig(
         prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
-        max_completion_tokens=spec.max_completion_tokens, max_prompt_tokens=128, max_steps=10**9,
+        max_completion_tokens=train_tokens, max_prompt_tokens=128, max_steps=10**9,
         temperature=temperature, learning_rate=lr, seed=spec.seed, output_dir=workdir, progress_bar=False,
     )
     memory = MemoryPlan(lora=LoRA(r=r, alpha=alpha, dropout=0.0, target_modules="all-linear"),

@@ -110,7 +110,8 @@ class GRPOConfig(FrozenModel):
     # -- optimisation ------------------------------------------------------------------------
     learning_rate: float = Field(1e-5, description="Peak learning rate (LoRA usually wants ~1e-4, full ~1e-6).")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Decay after warm-up: constant, linear to 0, or cosine to 0 at max_steps."
+        "constant", description="Decay after warm-up: constant, linear to 0, or cosine to 0 at the end of the "
+        "run: max_steps, or max_train_seconds when that comes first (progress is the larger of the two fractions)."
     )
     warmup_steps: int = Field(0, description="Linear warm-up steps from 0 to learning_rate.")
     weight_decay: float = Field(0.0, description="AdamW weight decay.")

@@ -156,6 +156,7 @@ class GRPOTrainer:
             self.model, memory, learning_rate=config.learning_rate, betas=config.adam_betas,
             eps=config.adam_eps, weight_decay=config.weight_decay,
         )
+        self._train_start: float | None = None  # set by train(); a time budget then drives the schedule too
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step_count = 0
         self.history: list[dict[str, float]] = []
@@ -175,7 +176,7 @@ class GRPOTrainer:
         total = None if cfg.max_train_seconds else cfg.max_steps
         with MetricsLogger(out, total_steps=total, progress_bar=cfg.progress_bar,
                            initial_step=self.step_count) as logger:
-            start = time.perf_counter()
+            start = self._train_start = time.perf_counter()
             while self.step_count < cfg.max_steps:
                 if cfg.max_train_seconds is not None and time.perf_counter() - start >= cfg.max_train_seconds:
                     break
@@ -409,6 +410,8 @@ class GRPOTrainer:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        if cfg.max_train_seconds is not None and self._train_start is not None:  # whichever budget ends first
+            progress = max(progress, (time.perf_counter() - self._train_start) / cfg.max_train_seconds)
         if cfg.lr_schedule == "linear":
             return max(0.0, 1.0 - progress)
         if cfg.lr_schedule == "cosine":

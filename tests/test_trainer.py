@@ -141,6 +141,26 @@ def test_schedule_counts_steps_and_logs_the_rate_it_used(tmp_path):
     assert rates == pytest.approx([0.1, 0.2, 0.3, 0.15])
 
 
+def test_a_time_budget_drives_the_schedule_when_it_ends_first(tmp_path, monkeypatch):
+    import grpo_engine.trainer as trainer_module
+
+    now = [100.0]
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: now[0])
+    trainer = make_trainer(tmp_path, lr_schedule="linear", max_steps=1000, max_train_seconds=40.0,
+                           learning_rate=0.4, output_dir=str(tmp_path / "run"))
+    step = trainer.step
+
+    def ten_seconds_each():
+        now[0] += 10.0  # each step takes 10 s of the 40 s budget, before its scheduler step
+        return step()
+
+    trainer.step = ten_seconds_each
+    history = trainer.train()
+    # progress = max(steps / 1000, seconds / 40): the rate used by step k is 0.4 * (1 - 10 (k-1) / 40)
+    assert [m["lr"] for m in history] == pytest.approx([0.4, 0.3, 0.2, 0.1])
+    assert trainer.step_count == 4  # the loop stops at 40 s
+
+
 def test_no_reference_without_kl(tmp_path):
     assert make_trainer(tmp_path).reference is None
 
