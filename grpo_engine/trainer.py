@@ -142,6 +142,10 @@ class GRPOTrainer:
         if temperature_control is not None and entropy is None:
             raise ValueError("temperature_control needs per-group semantic entropy: pass "
                              "entropy=SemanticEntropy(normalize=True) as well")
+        start = getattr(temperature_control, "temperature", config.temperature)
+        if abs(start - config.temperature) > 1e-9:  # else its first update would step from another value
+            raise ValueError(f"temperature_control starts at {start} but config.temperature={config.temperature}: "
+                             f"pass AdaptiveTemperature(initial={config.temperature}, ...)")
         self.accuracy_reward = accuracy_reward or self.rewards.names[0]
         self.template = template
         self.eval_prompts = list(eval_prompts or [])

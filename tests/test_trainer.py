@@ -290,3 +290,12 @@ def test_token_entropy_is_logged_from_the_training_pass(tmp_path):
                                      batch.completion_mask, with_entropy=True)
     want = entropy[batch.completion_mask].mean().item()
     assert metrics["entropy/token_mean"] == pytest.approx(want, rel=1e-5)
+
+
+def test_temperature_control_must_start_at_the_configured_temperature(tmp_path):
+    from grpo_engine.entropy import AdaptiveTemperature, SemanticEntropy
+
+    with pytest.raises(ValueError, match=r"starts at 1.0 but config.temperature=0.7: pass AdaptiveTemperature\("
+                                         r"initial=0.7"):
+        make_trainer(tmp_path, temperature=0.7, components={
+            "entropy": SemanticEntropy(normalize=True), "temperature_control": AdaptiveTemperature()})
