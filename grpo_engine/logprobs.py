@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_engine.vocab_tiled import tiled_linear_logprobs
 
-__all__ = ["completion_logprobs", "selective_logprobs", "position_ids_from_mask", "can_share_prompt"]
+__all__ = ["completion_logprobs", "selective_logprobs", "position_ids_from_mask", "can_share_prompt", "kv_cache"]
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -147,8 +147,9 @@ def completion_logprobs(
         ``(logprobs, entropy)``, both [n, C].
     """
     decoder = model.get_decoder()
-    if share_prompt and can_share_prompt(model, prompt_ids, prompt_mask):
-        predicting = _shared_prompt_hidden(decoder, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    distinct = _distinct_rows(prompt_ids, prompt_mask) if share_prompt and _keeps_cache(model, prompt_ids) else None
+    if distinct is not None and len(distinct[0]) < prompt_ids.shape[0]:
+        predicting = _shared_prompt_hidden(decoder, prompt_ids, prompt_mask, completion_ids, completion_mask, *distinct)
     else:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
@@ -191,26 +192,36 @@ def _distinct_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Ten
     return first, inverse
 
 
-def can_share_prompt(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> bool:
-    """Whether the prompt-sharing pass applies: rows repeat a prompt, and the decoder keeps its KV
-    cache in this mode (transformers drops the cache under gradient checkpointing in training)."""
+def kv_cache(out) -> tuple[str, object]:
+    """(keyword, cache) of a transformers output: ``cache`` since transformers 5.2x, else
+    ``past_key_values``; pass it back under the same keyword."""
+    name = "cache" if getattr(out, "cache", None) is not None else "past_key_values"
+    return name, getattr(out, name, None)
+
+
+def _keeps_cache(model: nn.Module, prompt_ids: Tensor) -> bool:
+    """Whether the decoder keeps its KV cache in this mode (transformers drops it under gradient
+    checkpointing in training) and there is a prompt to share."""
     if prompt_ids.shape[0] < 2 or prompt_ids.shape[1] < 1:
         return False
     checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-    if checkpointing and model.training and torch.is_grad_enabled():
-        return False
-    return len(torch.unique(torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0)) < prompt_ids.shape[0]
+    return not (checkpointing and model.training and torch.is_grad_enabled())
+
+
+def can_share_prompt(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> bool:
+    """Whether the prompt-sharing pass applies: rows repeat a prompt, and the decoder keeps its KV
+    cache in this mode (transformers drops the cache under gradient checkpointing in training)."""
+    return _keeps_cache(model, prompt_ids) and len(_distinct_rows(prompt_ids, prompt_mask)[0]) < prompt_ids.shape[0]
 
 
 def _shared_prompt_hidden(decoder: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                          completion_mask: Tensor) -> Tensor:
-    """[n, C, H] hidden states predicting each completion token, the prompt run once per distinct prompt."""
-    first, inverse = _distinct_rows(prompt_ids, prompt_mask)
+                          completion_mask: Tensor, first: Tensor, inverse: Tensor) -> Tensor:
+    """[n, C, H] hidden states predicting each completion token, the prompt run once per distinct prompt
+    (``first``, ``inverse``: from :func:`_distinct_rows`)."""
     head_mask = prompt_mask[first].long()  # [u, P]
     out = decoder(input_ids=prompt_ids[first], attention_mask=head_mask,
                   position_ids=position_ids_from_mask(head_mask), use_cache=True)
-    name = "cache" if getattr(out, "cache", None) is not None else "past_key_values"  # transformers >= 5.2x: cache
-    cache = getattr(out, name)
+    name, cache = kv_cache(out)
     cache.batch_select_indices(inverse)  # [u, ...] -> [n, ...]; differentiable gathers
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
     num_prompt = prompt_ids.shape[1]

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
 from grpo_engine.data.templates import PromptTemplate, default_template
+from grpo_engine.logprobs import kv_cache, position_ids_from_mask
 from grpo_engine.types import Prompt, RolloutBatch
 
 __all__ = ["HFSampler", "eos_token_ids"]
@@ -174,7 +175,6 @@ class HFSampler:
             texts=texts, sampler_logprobs=logprobs,
         )
 
-
     def _shared_prefill(self, ids: Tensor, mask: Tensor, group_size: int):
         """The KV cache of every prompt token but the last, computed once per prompt and repeated G
         times, as the keyword ``generate`` takes it; ``generate`` then runs the last prompt token and
@@ -184,11 +184,9 @@ class HFSampler:
         if getattr(self.model, "config", None) is None or not hasattr(self.model, "get_decoder"):
             return None  # not a transformers model: only its generate() is used
         head = mask[:, :-1].long()
-        position_ids = (head.cumsum(dim=1) - 1).clamp(min=0)  # left padding: positions count real tokens
-        out = self.model(input_ids=ids[:, :-1], attention_mask=head, position_ids=position_ids,
+        out = self.model(input_ids=ids[:, :-1], attention_mask=head, position_ids=position_ids_from_mask(head),
                          use_cache=True, logits_to_keep=1)
-        name = "cache" if getattr(out, "cache", None) is not None else "past_key_values"  # transformers >= 5.2x: cache
-        cache = getattr(out, name, None)
+        name, cache = kv_cache(out)
         if cache is None or not hasattr(cache, "batch_repeat_interleave"):
             return None
         cache.batch_repeat_interleave(group_size)
