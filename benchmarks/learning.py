@@ -48,9 +48,11 @@ mapping). The workers read back what each engine holds and the parent fails when
 
 ``--mode defaults`` (each engine as its users get it):
 
-- ours: ``DemoSettings()`` (lr 3e-4, temperature 1.0, LoRA r 16 / alpha 32, micro-batch 16,
-  128 prompt tokens, and its training cap of ``max_completion_tokens`` = 16 new tokens; the
-  evaluation keeps the task's ``--max-completion-tokens`` for both engines) and ``GRPOConfig`` /
+- ours: ``DemoSettings()`` (its batch shape ``prompts_per_step`` x ``group_size``, lr 3e-4,
+  temperature 1.0, LoRA r 16 / alpha 32, micro-batch 16, 128 prompt tokens, and its training cap
+  of ``max_completion_tokens`` = 16 new tokens; ``--prompts-per-step`` / ``--group-size`` then
+  apply to TRL only, and the evaluation keeps the task's ``--max-completion-tokens`` for both
+  engines) and ``GRPOConfig`` /
   component defaults for everything else (constant lr, AdamW betas 0.9 / 0.99, clipping 1.0,
   ``ClippedSurrogate()`` = per-sequence mean, clip 0.2, no KL, ``GroupNormalized()`` with eps 1e-6,
   the prompt shared across its group in sampling and in the training pass).
@@ -258,8 +260,10 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         advantage, loss = GroupNormalized(), ClippedSurrogate()
         train_tokens = demo.max_completion_tokens  # our recipe's training cap; evaluation keeps the task's
     torch.manual_seed(spec.seed)
+    prompts, group = ((spec.prompts_per_step, spec.group_size) if spec.mode == "identical"
+                      else (demo.prompts_per_step, demo.group_size))  # defaults: our recipe's batch shape
     config = GRPOConfig(
-        prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
+        prompts_per_step=prompts, group_size=group,
         max_completion_tokens=train_tokens, max_prompt_tokens=128, max_steps=10**9,
         temperature=temperature, learning_rate=lr, seed=spec.seed, output_dir=workdir, progress_bar=False,
     )

@@ -1,16 +1,28 @@
 """Variants of the demo recipe at a fixed step budget: held-out accuracy every N steps.
 
 The evidence behind the demo's defaults (docs/benchmarks.md, "Evidence for the remaining
-defaults"). Each variant changes fields of ``grpo_engine.demo.DemoSettings`` (and optionally the
-learning-rate schedule) and trains our engine alone from the base model on the demo task; greedy
-held-out accuracy (24 new tokens, the 64 test problems) is measured every ``--eval-every`` steps.
-A step budget, not a time budget, so that a shared machine does not change what is measured.
+defaults"). Each variant changes fields of ``grpo_engine.demo.DemoSettings`` and trains our engine
+alone from the base model on the demo task; greedy held-out accuracy (the demo's 24 new tokens)
+is measured every ``--eval-every`` steps. A step budget, not a time budget, so that a shared
+machine does not change what is measured.
 
-    python benchmarks/recipe_sweep.py --steps 80 --eval-every 20 \\
+Keys a variant may hold besides ``DemoSettings`` fields: ``lr_schedule`` (``GRPOConfig``), and
+``config`` (a dict of ``GRPOConfig`` fields that win over the recipe's, e.g. ``{"seed": 1}`` for
+another sampling seed on the same split). A
+``lora_r`` of 0 trains every weight (no adapter).
+
+``--eval-problems N`` evaluates on the first N problems of a test split drawn with the same seed;
+its first ``num_test`` (64) problems are exactly the demo's held-out set (``arithmetic_task``
+draws without replacement in a fixed order), so each curve point reports both: ``accuracy`` on
+all N and ``demo_split`` on the demo's 64, then ``[correct, total]`` per kind of problem
+(``+``, ``-`` with a result >= 0, ``-`` with a negative result). With 64 problems one run's binomial standard error is
+~6 points; 256 problems halve it.
+
+    python benchmarks/recipe_sweep.py --steps 80 --eval-every 20 --eval-problems 256 \\
         --variant '{}' --variant '{"temperature": 0.8}' --variant '{"lr_schedule": "linear"}'
 
-The last stdout line is one JSON object: ``{variant label: {"curve": [[step, accuracy], ...],
-"step_s": median step seconds}}``.
+The last stdout line is one JSON object: ``{variant label: {"curve": [[step, accuracy,
+demo_split, by_kind], ...], "step_s": median step seconds, "sample_s": ..., "train_s": ...}}``.
 """
 
 from __future__ import annotations
@@ -28,8 +40,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None, threads: int | None) -> dict:
-    """Trains the demo recipe with ``variant`` applied; returns its accuracy curve and step time."""
+def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None, threads: int | None,
+                eval_problems: int | None = None) -> dict:
+    """Trains the demo recipe with ``variant`` applied; returns its accuracy curve and step times."""
     import torch
 
     from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
@@ -41,46 +54,75 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
 
     if threads:
         torch.set_num_threads(threads)
-    schedule = variant.get("lr_schedule", "constant")
-    s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items() if k != "lr_schedule"})
+    extra = {"lr_schedule": variant.get("lr_schedule", "constant"), **variant.get("config", {})}
+    s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items() if k not in ("lr_schedule", "config")})
     torch.manual_seed(s.seed)
     policy, tokenizer = load_model(model or smollm2_folder())
-    train, test = arithmetic_task(s.num_train, s.num_test, seed=s.seed)
+    train, test = arithmetic_task(s.num_train, max(s.num_test, eval_problems or 0), seed=s.seed)
     template, reward = ChatTemplate(instruction=s.instruction), MathAccuracy()
     with tempfile.TemporaryDirectory() as out:
-        config = GRPOConfig(
-            prompts_per_step=s.prompts_per_step, group_size=s.group_size, max_completion_tokens=s.max_completion_tokens,
-            max_prompt_tokens=128, max_steps=steps, temperature=s.temperature, learning_rate=s.learning_rate,
-            lr_schedule=schedule, seed=s.seed, output_dir=out, progress_bar=False,
-        )
-        memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size)
+        config = GRPOConfig(**{
+            "prompts_per_step": s.prompts_per_step, "group_size": s.group_size, "max_prompt_tokens": 128,
+            "max_completion_tokens": s.max_completion_tokens, "max_steps": steps, "temperature": s.temperature,
+            "learning_rate": s.learning_rate, "seed": s.seed, "output_dir": out, "progress_bar": False, **extra})
+        lora = LoRA(r=s.lora_r, alpha=2 * s.lora_r) if s.lora_r else None
+        memory = MemoryPlan(lora=lora, micro_batch_size=s.micro_batch_size)
         trainer = GRPOTrainer(policy, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
                               template=template)
         curve = []
         for step in range(1, steps + 1):
             trainer.step()
             if step % eval_every == 0 or step == steps:
-                accuracy = greedy_accuracy(trainer.model, tokenizer, test, reward, template=template,
-                                           max_new_tokens=s.eval_max_new_tokens, batch_size=len(test)).accuracy
-                curve.append([step, accuracy])
-                print(f"[sweep] {json.dumps(variant)} step {step}: {accuracy:.4f}", flush=True)
-    return {"curve": curve, "step_s": statistics.median(m["time/step_s"] for m in trainer.history)}
+                scores = []
+                for start in range(0, len(test), 64):
+                    scores += greedy_accuracy(trainer.model, tokenizer, test[start:start + 64], reward,
+                                              template=template, max_new_tokens=s.eval_max_new_tokens,
+                                              batch_size=64).scores
+                correct = [score >= 1.0 for score in scores]
+                point = [step, sum(correct) / len(correct), sum(correct[:s.num_test]) / s.num_test,
+                         accuracy_by_kind(test, correct)]
+                curve.append(point)
+                print(f"[sweep] {json.dumps(variant)} step {step}: {point[1]:.4f} (demo split {point[2]:.4f}; "
+                      f"{json.dumps(point[3])})", flush=True)
+
+    def median(key: str) -> float:
+        return statistics.median(m[key] for m in trainer.history)
+
+    return {"curve": curve, "step_s": median("time/step_s"), "sample_s": median("time/sample_s"),
+            "train_s": median("time/train_s")}
+
+
+def accuracy_by_kind(problems: list, correct: list[bool]) -> dict[str, list[int]]:
+    """``{kind: [correct, total]}`` with kinds ``"+"``, ``"- (result >= 0)"`` and ``"- (result < 0)"``."""
+    counts: dict[str, list[int]] = {}
+    for problem, ok in zip(problems, correct):
+        op = problem.metadata["op"]
+        kind = op if op != "-" else ("- (result < 0)" if int(problem.target) < 0 else "- (result >= 0)")
+        entry = counts.setdefault(kind, [0, 0])
+        entry[0] += ok
+        entry[1] += 1
+    return dict(sorted(counts.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", action="append", default=[], help="JSON: DemoSettings fields and/or "
-                        "lr_schedule to change (repeatable; default: the shipped recipe only)")
+    parser.add_argument("--variant", action="append", default=[], help="JSON: DemoSettings fields, lr_schedule "
+                        "and/or config to change (repeatable; default: the shipped recipe only)")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-problems", type=int, help="held-out problems to evaluate on (default: the "
+                        "demo's num_test); the first num_test of them are the demo's held-out set")
     parser.add_argument("--model", help="a transformers folder (default: the demo's SmolLM2-135M-Instruct)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1:
         parser.error("need --steps >= 1 and --eval-every >= 1")
+    if args.eval_problems is not None and args.eval_problems < 1:
+        parser.error(f"--eval-problems {args.eval_problems} must be >= 1")
     variants = [json.loads(v) for v in args.variant] or [{}]
     results = {json.dumps(v, sort_keys=True): run_variant(v, steps=args.steps, eval_every=args.eval_every,
-                                                          model=args.model, threads=args.threads)
+                                                          model=args.model, threads=args.threads,
+                                                          eval_problems=args.eval_problems)
                for v in variants}
     print(json.dumps(results), flush=True)
     return 0

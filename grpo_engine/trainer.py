@@ -215,7 +215,10 @@ class GRPOTrainer:
 
         # 3. old and reference log-probs, without gradient and only when needed
         with timer("logprobs"):
-            needs_old = cfg.updates_per_batch > 1 or self.kl_penalty is not None
+            # for mu > 1 the first update's forward pass runs the sampling policy itself and records its
+            # log-probs (_update); a separate pass is needed for KL in the reward (before the advantages)
+            # and under LoRA dropout (the training forward is then noisier than the sampling policy)
+            needs_old = self.kl_penalty is not None or (cfg.updates_per_batch > 1 and not self._can_record_old())
             old = self._logprobs(batch, self.model) if needs_old else None
             ref = None
             if self.reference is not None:
@@ -237,8 +240,12 @@ class GRPOTrainer:
         loss_metrics: dict[str, float] = {}
         lr = self.scheduler.get_last_lr()[0]
         with timer("train"):
-            for _ in range(cfg.updates_per_batch):
-                loss_metrics = self._update(batch, advantages, old, ref)
+            for update in range(cfg.updates_per_batch):
+                record = None
+                if old is None and update + 1 < cfg.updates_per_batch:  # later updates need the sampling policy's
+                    record = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
+                loss_metrics = self._update(batch, advantages, old, ref, record=record)
+                old = record if record is not None else old
         self.scheduler.step()  # the schedule counts steps, not the mu updates inside one
 
         step_stats["temperature"] = self.temperature
@@ -277,10 +284,11 @@ class GRPOTrainer:
                           batch_size=cfg.completions_per_step, progress=False)
         return {f"eval/{name}": value for name, value in report.metrics.items()}
 
-    def _update(self, batch: RolloutBatch, advantages: Tensor, old: Tensor | None, ref: Tensor | None
-                ) -> dict[str, float]:
+    def _update(self, batch: RolloutBatch, advantages: Tensor, old: Tensor | None, ref: Tensor | None,
+                record: Tensor | None = None) -> dict[str, float]:
         """One policy update: accumulate the micro-batch gradients, clip, step the optimizer."""
-        metrics = self.compute_gradients(batch, advantages, old_logprobs=old, ref_logprobs=ref)
+        metrics = self.compute_gradients(batch, advantages, old_logprobs=old, ref_logprobs=ref,
+                                         record_logprobs=record)
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
         metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), max_norm))
         self.optimizer.step()
@@ -288,7 +296,8 @@ class GRPOTrainer:
         return metrics
 
     def compute_gradients(self, batch: RolloutBatch, advantages: Tensor, *, old_logprobs: Tensor | None = None,
-                          ref_logprobs: Tensor | None = None) -> dict[str, float]:
+                          ref_logprobs: Tensor | None = None, record_logprobs: Tensor | None = None
+                          ) -> dict[str, float]:
         """Fills ``.grad`` of the trainable parameters with the gradient of the step's loss.
 
         The batch is cut into micro-batches of ``memory.micro_batch_size`` completions; each loss is
@@ -300,6 +309,10 @@ class GRPOTrainer:
             advantages: [N] one advantage per completion.
             old_logprobs: [N, C] log-probs of the sampling policy, or None (on-policy).
             ref_logprobs: [N, C] reference log-probs, when the loss needs them.
+            record_logprobs: an [N, C] float32 CPU tensor, or None; when given, the detached log-probs
+                of the rows trained are written into it (rows skipped for advantage 0 are left as they
+                are). Before the optimizer step these are the sampling policy's, which is how
+                ``updates_per_batch > 1`` gets its old log-probs without a separate pass.
 
         Returns:
             The step's loss and loss metrics (summed over micro-batches).
@@ -325,6 +338,8 @@ class GRPOTrainer:
                         vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=pass_entropy,
                         share_prompt=self.memory.share_prompt)
                 logprobs, entropy = out if with_entropy else (out, None)
+                if record_logprobs is not None:
+                    record_logprobs[idx, :cid.shape[1]] = logprobs.detach().float().cpu()
                 if entropy is not None:
                     sums["entropy/token_mean"] += float(token_entropy_mean(entropy.detach(), cmask, trained_tokens))
                 width, dev = cid.shape[1], logprobs.device
@@ -364,6 +379,10 @@ class GRPOTrainer:
             tokens, sequences = counts(batch.completion_mask, batch.is_truncated)
             return int(tokens), int(sequences)
         return int(batch.completion_mask.sum()), batch.num_completions
+
+    def _can_record_old(self) -> bool:
+        """Whether a training forward pass computes exactly the sampling policy's log-probs (no dropout)."""
+        return self.memory.lora is None or self.memory.lora.dropout == 0
 
     def _rows_to_train(self, advantages: Tensor) -> Tensor:
         """Rows that can change the gradient: rows with advantage 0 are skipped when the loss says so."""

@@ -107,3 +107,15 @@ def test_smoke_run_trains_both_engines_and_reports(tiny_folder, tmp_path, capsys
     assert ours["prompt_ids"] == trl["prompt_ids"]
     assert ours["settings"]["completions_per_optimizer_step"] == 4
     assert trl["settings"]["generations_per_optimizer_step"] == 1
+
+
+def test_defaults_mode_trains_ours_with_its_own_batch_shape(tiny_folder, tmp_path):
+    """--prompts-per-step / --group-size fix TRL's batch; in the defaults mode ours keeps DemoSettings'."""
+    from grpo_engine.demo import DemoSettings
+
+    spec = learning.Spec(model=str(tiny_folder), mode="defaults", budget_s=1e-3, num_train=20, num_test=4,
+                         eval_subset=2, eval_every_s=0, prompts_per_step=2, group_size=2, max_completion_tokens=4)
+    settings = learning.run_ours(spec, str(tmp_path))["settings"]
+    demo = DemoSettings()
+    assert (settings["prompts_per_step"], settings["group_size"]) == (demo.prompts_per_step, demo.group_size)
+    assert settings["max_completion_tokens"] == demo.max_completion_tokens

@@ -40,8 +40,62 @@ def test_each_variant_gets_a_curve_at_the_eval_steps(tiny_folder, capsys, monkey
     assert seen == variants
     assert list(result) == [json.dumps(v, sort_keys=True) for v in variants]
     for entry in result.values():
-        assert [step for step, _ in entry["curve"]] == [2, 3]  # every 2 steps, and the last
-        assert all(0.0 <= acc <= 1.0 for _, acc in entry["curve"]) and entry["step_s"] > 0
+        assert [step for step, *_ in entry["curve"]] == [2, 3]  # every 2 steps, and the last
+        assert all(0.0 <= acc <= 1.0 for _, acc, *_ in entry["curve"]) and entry["step_s"] > 0
+        assert all(acc == demo for _, acc, demo, _ in entry["curve"])  # the whole set is the demo's split
+        assert all(sum(total for _, total in kinds.values()) == 4 for *_, kinds in entry["curve"])
+
+
+def test_a_larger_held_out_set_starts_with_the_demo_split(tiny_folder, monkeypatch):
+    """--eval-problems 6 scores 6 problems; the demo-split figure counts only the first num_test (4) of them."""
+    import grpo_engine.eval
+
+    calls = []
+
+    def fake(model, tokenizer, prompts, reward, **kwargs):
+        calls.append([p.content for p in prompts])
+        return grpo_engine.eval.EvalResult(accuracy=0.0, completions=("",) * len(prompts),
+                                           scores=tuple(1.0 if i % 2 else 0.0 for i in range(len(prompts))))
+
+    monkeypatch.setattr(grpo_engine.eval, "greedy_accuracy", fake)
+    small = {"num_train": 16, "num_test": 4, "max_completion_tokens": 4, "eval_max_new_tokens": 4}
+    result = recipe_sweep.run_variant({**small, "config": {"warmup_steps": 1}}, steps=1, eval_every=1,
+                                      model=str(tiny_folder), threads=1, eval_problems=6)
+    from grpo_engine.data import arithmetic_task
+
+    demo_test = [p.content for p in arithmetic_task(16, 4, seed=0)[1]]
+    assert calls == [[p.content for p in arithmetic_task(16, 6, seed=0)[1]]] and calls[0][:4] == demo_test
+    assert result["curve"][0][:3] == [1, 3 / 6, 2 / 4]
+    expected = recipe_sweep.accuracy_by_kind(arithmetic_task(16, 6, seed=0)[1], [bool(i % 2) for i in range(6)])
+    assert result["curve"][0][3] == expected
+
+
+def test_accuracy_by_kind_splits_subtraction_by_the_sign_of_its_result():
+    from grpo_engine.types import Prompt
+
+    problems = [Prompt("What is 12 + 30?", target="42", metadata={"op": "+"}),
+                Prompt("What is 30 - 12?", target="18", metadata={"op": "-"}),
+                Prompt("What is 12 - 30?", target="-18", metadata={"op": "-"}),
+                Prompt("What is 40 - 40?", target="0", metadata={"op": "-"}),
+                Prompt("What is 11 + 11?", target="22", metadata={"op": "+"})]
+    assert recipe_sweep.accuracy_by_kind(problems, [True, False, True, True, False]) == {
+        "+": [1, 2], "- (result < 0)": [1, 1], "- (result >= 0)": [1, 2]}
+
+
+def test_lora_r_zero_trains_every_weight(tiny_folder, monkeypatch):
+    import grpo_engine
+
+    built = []
+    real = grpo_engine.GRPOTrainer
+
+    def spy(*args, **kwargs):
+        built.append(kwargs["memory"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo_engine, "GRPOTrainer", spy)
+    small = {"num_train": 16, "num_test": 4, "max_completion_tokens": 4, "eval_max_new_tokens": 4}
+    recipe_sweep.run_variant({**small, "lora_r": 0}, steps=1, eval_every=1, model=str(tiny_folder), threads=1)
+    assert built[0].lora is None
 
 
 def test_an_unknown_recipe_field_is_refused(tiny_folder):

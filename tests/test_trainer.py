@@ -161,6 +161,57 @@ def test_a_time_budget_drives_the_schedule_when_it_ends_first(tmp_path, monkeypa
     assert trainer.step_count == 4  # the loop stops at 40 s
 
 
+def _count_logprob_passes(trainer):
+    calls = []
+    real = trainer._logprobs
+    trainer._logprobs = lambda *args: calls.append(1) or real(*args)
+    return calls
+
+
+def test_the_first_training_pass_records_the_sampling_policys_logprobs(tmp_path):
+    trainer = make_trainer(tmp_path)
+    batch, advantages = sample_with_advantages(trainer)
+    advantages = torch.cat([torch.zeros(2), advantages[2:]])  # two rows without a signal: skipped
+    trained = advantages != 0
+    assert trained.sum() >= 4, "the test needs rows with a learning signal"
+    record = torch.full(batch.completion_ids.shape, 7.0)
+    trainer.compute_gradients(batch, advantages, record_logprobs=record)
+    separate = trainer._logprobs(batch, trainer.model)  # the no-grad pass, weights not yet stepped
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(record[trained][mask[trained]], separate[trained][mask[trained]], rtol=0, atol=1e-6)
+    assert (record[~trained] == 7.0).all()  # skipped rows are never run, and never read
+    trainer.optimizer.step()  # the second update: the ratio against the recorded log-probs steers the gradient
+    trainer.compute_gradients(batch, advantages, old_logprobs=record)
+    with_record = grads(trainer)
+    trainer.compute_gradients(batch, advantages, old_logprobs=separate)
+    for a, b in zip(with_record, grads(trainer)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_several_updates_run_no_separate_old_logprob_pass(tmp_path):
+    trainer = make_trainer(tmp_path, updates_per_batch=3)
+    passes, seen = _count_logprob_passes(trainer), []
+    real = trainer.compute_gradients
+
+    def spy(batch, advantages, **kwargs):
+        seen.append((kwargs["old_logprobs"], kwargs["record_logprobs"]))
+        return real(batch, advantages, **kwargs)
+
+    trainer.compute_gradients = spy
+    trainer.step()
+    assert passes == [] and len(seen) == 3
+    (old1, record1), (old2, record2), (old3, record3) = seen
+    assert old1 is None and record1 is not None  # on-policy: ratio exactly 1
+    assert old2 is record1 and old3 is record1 and record2 is None and record3 is None
+
+
+def test_lora_dropout_keeps_the_separate_old_logprob_pass(tmp_path):
+    trainer = make_trainer(tmp_path, updates_per_batch=2, memory=MemoryPlan(lora=LoRA(r=2, dropout=0.1)))
+    passes = _count_logprob_passes(trainer)
+    trainer.step()
+    assert passes == [1]
+
+
 def test_no_reference_without_kl(tmp_path):
     assert make_trainer(tmp_path).reference is None
 
