@@ -5,8 +5,8 @@ import torch
 from pydantic import ValidationError
 
 from grpo_engine import GRPOConfig, GRPOTrainer
-from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.logprobs import can_share_prompt, completion_logprobs
+from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.memory import LoRA, MemoryPlan, build_optimizer, prepare_model
 from grpo_engine.memory.apply import is_quantized_4bit, trainable_parameters
 from grpo_engine.models import load_model

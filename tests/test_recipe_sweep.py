@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import recipe_sweep  # noqa: E402
+
 from tests.tiny import char_tokenizer, tiny_llama  # noqa: E402
 
 
