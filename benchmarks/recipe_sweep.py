@@ -73,11 +73,8 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
         for step in range(1, steps + 1):
             trainer.step()
             if step % eval_every == 0 or step == steps:
-                scores = []
-                for start in range(0, len(test), 64):
-                    scores += greedy_accuracy(trainer.model, tokenizer, test[start:start + 64], reward,
-                                              template=template, max_new_tokens=s.eval_max_new_tokens,
-                                              batch_size=64).scores
+                scores = greedy_accuracy(trainer.model, tokenizer, test, reward, template=template,
+                                         max_new_tokens=s.eval_max_new_tokens, batch_size=64).scores
                 correct = [score >= 1.0 for score in scores]
                 point = [step, sum(correct) / len(correct), sum(correct[:s.num_test]) / s.num_test,
                          accuracy_by_kind(test, correct)]
