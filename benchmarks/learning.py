@@ -52,10 +52,10 @@ mapping). The workers read back what each engine holds and the parent fails when
   temperature 1.0, LoRA r 16 / alpha 32, micro-batch 16, 128 prompt tokens, and its training cap
   of ``max_completion_tokens`` = 16 new tokens; ``--prompts-per-step`` / ``--group-size`` then
   apply to TRL only, and the evaluation keeps the task's ``--max-completion-tokens`` for both
-  engines) and ``GRPOConfig`` /
-  component defaults for everything else (constant lr, AdamW betas 0.9 / 0.99, clipping 1.0,
-  ``ClippedSurrogate()`` = per-sequence mean, clip 0.2, no KL, ``GroupNormalized()`` with eps 1e-6,
-  the prompt shared across its group in sampling and in the training pass).
+  engines) and ``GRPOConfig`` / component defaults for everything else (constant lr, AdamW betas
+  0.9 / 0.99, clipping 1.0, ``ClippedSurrogate()`` = per-sequence mean, clip 0.2, no KL,
+  ``GroupNormalized()`` with eps 1e-6, the prompt shared across its group in sampling and in the
+  training pass).
 - TRL: ``GRPOConfig()`` defaults except what the task fixes (``num_generations=G``, B*G
   completions per generation and per optimizer step, ``max_completion_length``, the same LoRA
   ``peft_config``) and lr 1e-4 (the issue's measured TRL recipe; TRL's default 1e-6 is meant for
@@ -254,14 +254,14 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         micro = _micro(spec.micro_batch_size or demo.micro_batch_size, spec.completions)
         advantage, loss = GroupNormalized(eps=eps), ClippedSurrogate(aggregation=aggregation)
         train_tokens = spec.max_completion_tokens
+        prompts, group = spec.prompts_per_step, spec.group_size
     else:
         lr, temperature, r, alpha = demo.learning_rate, demo.temperature, demo.lora_r, 2.0 * demo.lora_r
         micro = spec.micro_batch_size or demo.micro_batch_size
         advantage, loss = GroupNormalized(), ClippedSurrogate()
         train_tokens = demo.max_completion_tokens  # our recipe's training cap; evaluation keeps the task's
+        prompts, group = demo.prompts_per_step, demo.group_size  # our recipe's batch shape
     torch.manual_seed(spec.seed)
-    prompts, group = ((spec.prompts_per_step, spec.group_size) if spec.mode == "identical"
-                      else (demo.prompts_per_step, demo.group_size))  # defaults: our recipe's batch shape
     config = GRPOConfig(
         prompts_per_step=prompts, group_size=group,
         max_completion_tokens=train_tokens, max_prompt_tokens=128, max_steps=10**9,
