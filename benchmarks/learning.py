@@ -48,11 +48,14 @@ mapping). The workers read back what each engine holds and the parent fails when
 
 ``--mode defaults`` (each engine as its users get it):
 
-- ours: ``DemoSettings()`` (its batch shape ``prompts_per_step`` x ``group_size``, lr 3e-4,
-  temperature 1.0, LoRA r 16 / alpha 32, micro-batch 16, 128 prompt tokens, and its training cap
-  of ``max_completion_tokens`` = 16 new tokens; ``--prompts-per-step`` / ``--group-size`` then
-  apply to TRL only, and the evaluation keeps the task's ``--max-completion-tokens`` for both
-  engines) and ``GRPOConfig`` / component defaults for everything else (constant lr, AdamW betas
+- ours: ``DemoSettings()`` (its batch shape ``prompts_per_step`` x ``group_size``, lr 3e-4 with
+  its ``lr_schedule``, temperature 1.0, LoRA r 16 / alpha 32, micro-batch 16, 128 prompt tokens,
+  and its training cap of ``max_completion_tokens`` = 16 new tokens; ``--prompts-per-step`` /
+  ``--group-size`` then apply to TRL only, and the evaluation keeps the task's
+  ``--max-completion-tokens`` for both engines; ``max_train_seconds`` is the budget, so a
+  ``linear`` / ``cosine`` schedule decays over it: the trainer's clock, the time spent in
+  ``step()``, is what this benchmark counts) and ``GRPOConfig`` / component defaults for
+  everything else (AdamW betas
   0.9 / 0.99, clipping 1.0, ``ClippedSurrogate()`` = per-sequence mean, clip 0.2, no KL,
   ``GroupNormalized()`` with eps 1e-6, the prompt shared across its group in sampling and in the
   training pass).
@@ -250,6 +253,7 @@ def run_ours(spec: Spec, workdir: str) -> dict:
     before = s.accuracy(s.model, s.test)
     if spec.mode == "identical":
         lr, temperature, aggregation = IDENTICAL["learning_rate"], IDENTICAL["temperature"], IDENTICAL["aggregation"]
+        schedule = "constant"
         r, alpha, eps = IDENTICAL["lora_r"], IDENTICAL["lora_alpha"], IDENTICAL["advantage_eps"]
         micro = _micro(spec.micro_batch_size or demo.micro_batch_size, spec.completions)
         advantage, loss = GroupNormalized(eps=eps), ClippedSurrogate(aggregation=aggregation)
@@ -257,6 +261,7 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         prompts, group = spec.prompts_per_step, spec.group_size
     else:
         lr, temperature, r, alpha = demo.learning_rate, demo.temperature, demo.lora_r, 2.0 * demo.lora_r
+        schedule = demo.lr_schedule  # a decay follows the trainer's clock, step time as the benchmark counts it
         micro = spec.micro_batch_size or demo.micro_batch_size
         advantage, loss = GroupNormalized(), ClippedSurrogate()
         train_tokens = demo.max_completion_tokens  # our recipe's training cap; evaluation keeps the task's
@@ -264,8 +269,9 @@ def run_ours(spec: Spec, workdir: str) -> dict:
     torch.manual_seed(spec.seed)
     config = GRPOConfig(
         prompts_per_step=prompts, group_size=group,
-        max_completion_tokens=train_tokens, max_prompt_tokens=128, max_steps=10**9,
-        temperature=temperature, learning_rate=lr, seed=spec.seed, output_dir=workdir, progress_bar=False,
+        max_completion_tokens=train_tokens, max_prompt_tokens=128, max_steps=10**9, max_train_seconds=spec.budget_s,
+        temperature=temperature, learning_rate=lr, lr_schedule=schedule, seed=spec.seed, output_dir=workdir,
+        progress_bar=False,
     )
     memory = MemoryPlan(lora=LoRA(r=r, alpha=alpha, dropout=0.0, target_modules="all-linear"),
                         micro_batch_size=micro)

@@ -6,10 +6,10 @@ alone from the base model on the demo task; greedy held-out accuracy (the demo's
 is measured every ``--eval-every`` steps. A step budget, not a time budget, so that a shared
 machine does not change what is measured.
 
-Keys a variant may hold besides ``DemoSettings`` fields: ``lr_schedule`` (``GRPOConfig``), and
-``config`` (a dict of ``GRPOConfig`` fields that win over the recipe's, e.g. ``{"seed": 1}`` for
-another sampling seed on the same split). A
-``lora_r`` of 0 trains every weight (no adapter).
+Keys a variant may hold besides ``DemoSettings`` fields: ``config`` (a dict of ``GRPOConfig``
+fields that win over the recipe's, e.g. ``{"seed": 1}`` for another sampling seed on the same
+split). A ``lora_r`` of 0 trains every weight (no adapter). The recipe's ``train_seconds`` does
+not apply (a step budget; a ``linear`` / ``cosine`` ``lr_schedule`` decays over ``--steps``).
 
 ``--eval-problems N`` evaluates on the first N problems of a test split drawn with the same seed;
 its first ``num_test`` (64) problems are exactly the demo's held-out set (``arithmetic_task``
@@ -54,8 +54,7 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
 
     if threads:
         torch.set_num_threads(threads)
-    extra = {"lr_schedule": variant.get("lr_schedule", "constant"), **variant.get("config", {})}
-    s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items() if k not in ("lr_schedule", "config")})
+    s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items() if k != "config"})
     torch.manual_seed(s.seed)
     policy, tokenizer = load_model(model or smollm2_folder())
     train, test = arithmetic_task(s.num_train, max(s.num_test, eval_problems or 0), seed=s.seed)
@@ -64,7 +63,8 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
         config = GRPOConfig(**{
             "prompts_per_step": s.prompts_per_step, "group_size": s.group_size, "max_prompt_tokens": 128,
             "max_completion_tokens": s.max_completion_tokens, "max_steps": steps, "temperature": s.temperature,
-            "learning_rate": s.learning_rate, "seed": s.seed, "output_dir": out, "progress_bar": False, **extra})
+            "learning_rate": s.learning_rate, "lr_schedule": s.lr_schedule, "seed": s.seed, "output_dir": out,
+            "progress_bar": False, **variant.get("config", {})})
         lora = LoRA(r=s.lora_r, alpha=2 * s.lora_r) if s.lora_r else None
         memory = MemoryPlan(lora=lora, micro_batch_size=s.micro_batch_size)
         trainer = GRPOTrainer(policy, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
@@ -103,7 +103,7 @@ def accuracy_by_kind(problems: list, correct: list[bool]) -> dict[str, list[int]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", action="append", default=[], help="JSON: DemoSettings fields, lr_schedule "
+    parser.add_argument("--variant", action="append", default=[], help="JSON: DemoSettings fields "
                         "and/or config to change (repeatable; default: the shipped recipe only)")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval-every", type=int, default=20)

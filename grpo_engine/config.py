@@ -97,7 +97,8 @@ class GRPOConfig(FrozenModel):
     max_completion_tokens: int = Field(256, description="Sampling stops here; such completions are 'truncated'.")
     max_steps: int = Field(100, description="Optimizer steps to run.")
     max_train_seconds: float | None = Field(
-        None, description="Also stop once this many seconds of training have passed (checked between steps)."
+        None, description="Also stop once this many seconds have been spent in training steps (checked between "
+        "steps; held-out evaluations and checkpoint saves do not count). The trainer's train_seconds is this clock."
     )
 
     # -- sampling ----------------------------------------------------------------------------

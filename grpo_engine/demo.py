@@ -40,6 +40,7 @@ class DemoSettings:
     eval_max_new_tokens: int = 24
     temperature: float = 1.0
     learning_rate: float = 3e-4
+    lr_schedule: str = "constant"  # a GRPOConfig.lr_schedule; linear / cosine decay over train_seconds
     lora_r: int = 16
     micro_batch_size: int = 16
     instruction: str = " Reply with only the final number."
@@ -103,7 +104,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
     config = GRPOConfig(
         prompts_per_step=s.prompts_per_step, group_size=s.group_size, max_completion_tokens=s.max_completion_tokens,
         max_prompt_tokens=128, max_steps=10_000, max_train_seconds=s.train_seconds, temperature=s.temperature,
-        learning_rate=s.learning_rate, seed=s.seed, output_dir=str(out),
+        learning_rate=s.learning_rate, lr_schedule=s.lr_schedule, seed=s.seed, output_dir=str(out),
     )
     memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size)
     trainer = GRPOTrainer(model, [reward], train, config=config, memory=memory, tokenizer=tokenizer,

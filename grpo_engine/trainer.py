@@ -15,7 +15,6 @@ and logs them.
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -160,7 +159,7 @@ class GRPOTrainer:
             self.model, memory, learning_rate=config.learning_rate, betas=config.adam_betas,
             eps=config.adam_eps, weight_decay=config.weight_decay,
         )
-        self._train_start: float | None = None  # set by train(); a time budget then drives the schedule too
+        self.train_seconds = 0.0  # time spent in step(), less its held-out evaluations: max_train_seconds' clock
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step_count = 0
         self.history: list[dict[str, float]] = []
@@ -180,9 +179,8 @@ class GRPOTrainer:
         total = None if cfg.max_train_seconds else cfg.max_steps
         with MetricsLogger(out, total_steps=total, progress_bar=cfg.progress_bar,
                            initial_step=self.step_count) as logger:
-            start = self._train_start = time.perf_counter()
             while self.step_count < cfg.max_steps:
-                if cfg.max_train_seconds is not None and time.perf_counter() - start >= cfg.max_train_seconds:
+                if cfg.max_train_seconds is not None and self.train_seconds >= cfg.max_train_seconds:
                     break
                 metrics = self.step()
                 write = self.step_count % cfg.log_every_steps == 0 or "eval/pass@1" in metrics  # never lose an eval
@@ -246,7 +244,6 @@ class GRPOTrainer:
                     record = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
                 loss_metrics = self._update(batch, advantages, old, ref, record=record)
                 old = record if record is not None else old
-        self.scheduler.step()  # the schedule counts steps, not the mu updates inside one
 
         step_stats["temperature"] = self.temperature
         if self.temperature_control is not None:  # the next step samples at the new temperature
@@ -263,8 +260,10 @@ class GRPOTrainer:
         if cfg.eval_every_steps and self.eval_prompts and self.step_count % cfg.eval_every_steps == 0:
             with timer("eval"):
                 held_out = self.evaluate()
-        metrics = {**self._batch_metrics(batch, rewards), **step_stats, **loss_metrics, **held_out,
-                   **timer.seconds()}
+        seconds = timer.seconds()
+        self.train_seconds += seconds["time/step_s"] - seconds.get("time/eval_s", 0.0)
+        self.scheduler.step()  # once per step, not per mu update; after the clock, which a time budget's decay reads
+        metrics = {**self._batch_metrics(batch, rewards), **step_stats, **loss_metrics, **held_out, **seconds}
         metrics["lr"] = lr
         metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
         self.history.append(metrics)
@@ -433,8 +432,8 @@ class GRPOTrainer:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        if cfg.max_train_seconds is not None and self._train_start is not None:  # whichever budget ends first
-            progress = max(progress, (time.perf_counter() - self._train_start) / cfg.max_train_seconds)
+        if cfg.max_train_seconds is not None:  # whichever budget ends first, in train() or a loop over step()
+            progress = max(progress, self.train_seconds / cfg.max_train_seconds)
         if cfg.lr_schedule == "linear":
             return max(0.0, 1.0 - progress)
         if cfg.lr_schedule == "cosine":

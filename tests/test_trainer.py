@@ -1,6 +1,7 @@
 """GRPOTrainer end to end on a tiny random model: accumulation, skipping, KL reference, golden run."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -141,24 +142,52 @@ def test_schedule_counts_steps_and_logs_the_rate_it_used(tmp_path):
     assert rates == pytest.approx([0.1, 0.2, 0.3, 0.15])
 
 
-def test_a_time_budget_drives_the_schedule_when_it_ends_first(tmp_path, monkeypatch):
-    import grpo_engine.trainer as trainer_module
+def _ten_seconds_per_sample(trainer, monkeypatch):
+    """A fake clock that moves 10 s whenever the trainer samples (inside its step), and not otherwise."""
+    import grpo_engine.logging as logging_module
 
     now = [100.0]
-    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(logging_module.time, "perf_counter", lambda: now[0])
+    sample = trainer.sampler.sample
+
+    def slow_sample(*args, **kwargs):
+        now[0] += 10.0
+        return sample(*args, **kwargs)
+
+    trainer.sampler.sample = slow_sample
+    return now
+
+
+def test_a_time_budget_drives_the_schedule_when_it_ends_first(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, lr_schedule="linear", max_steps=1000, max_train_seconds=40.0,
                            learning_rate=0.4, output_dir=str(tmp_path / "run"))
-    step = trainer.step
-
-    def ten_seconds_each():
-        now[0] += 10.0  # each step takes 10 s of the 40 s budget, before its scheduler step
-        return step()
-
-    trainer.step = ten_seconds_each
+    now = _ten_seconds_per_sample(trainer, monkeypatch)
+    now[0] += 1000.0  # time before the first step (loading, building) is not training time
     history = trainer.train()
     # progress = max(steps / 1000, seconds / 40): the rate used by step k is 0.4 * (1 - 10 (k-1) / 40)
     assert [m["lr"] for m in history] == pytest.approx([0.4, 0.3, 0.2, 0.1])
-    assert trainer.step_count == 4  # the loop stops at 40 s
+    assert trainer.step_count == 4 and trainer.train_seconds == pytest.approx(40.0)  # the loop stops at 40 s
+
+
+def test_a_loop_over_step_drives_the_time_schedule_without_its_evaluations(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, lr_schedule="cosine", max_steps=1000, max_train_seconds=40.0,
+                           learning_rate=0.4, eval_every_steps=1, components={"eval_prompts": PROMPTS[:2]})
+    now = _ten_seconds_per_sample(trainer, monkeypatch)
+    evaluate = trainer.evaluate
+
+    def slow_evaluate(*args, **kwargs):
+        now[0] += 500.0  # held-out evaluation inside the step: not training time
+        return evaluate(*args, **kwargs)
+
+    trainer.evaluate = slow_evaluate
+    rates = []
+    for _ in range(3):
+        rates.append(trainer.step()["lr"])
+        now[0] += 1000.0  # the caller's own work between steps does not count either
+    assert trainer.train_seconds == pytest.approx(30.0)
+    # cosine over 40 s: 0.4 * (1 + cos(pi * 10 (k-1) / 40)) / 2
+    assert rates == pytest.approx([0.4 * (1 + math.cos(math.pi * k / 4)) / 2 for k in range(3)])
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.4 * (1 + math.cos(math.pi * 3 / 4)) / 2)
 
 
 def _count_logprob_passes(trainer):
