@@ -34,13 +34,13 @@ class DemoSettings:
     train_seconds: float = 450.0
     num_train: int = 1000
     num_test: int = 64
-    prompts_per_step: int = 4
-    group_size: int = 8
+    prompts_per_step: int = 8
+    group_size: int = 4
     max_completion_tokens: int = 16
     eval_max_new_tokens: int = 24
     temperature: float = 1.0
     learning_rate: float = 3e-4
-    lr_schedule: str = "constant"  # a GRPOConfig.lr_schedule; linear / cosine decay over train_seconds
+    lr_schedule: str = "cosine"  # a GRPOConfig.lr_schedule; linear / cosine decay over train_seconds
     lora_r: int = 16
     micro_batch_size: int = 16
     instruction: str = " Reply with only the final number."

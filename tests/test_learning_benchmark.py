@@ -119,3 +119,4 @@ def test_defaults_mode_trains_ours_with_its_own_batch_shape(tiny_folder, tmp_pat
     demo = DemoSettings()
     assert (settings["prompts_per_step"], settings["group_size"]) == (demo.prompts_per_step, demo.group_size)
     assert settings["max_completion_tokens"] == demo.max_completion_tokens
+    assert settings["lr_schedule"] == demo.lr_schedule
