@@ -8,7 +8,9 @@ machine does not change what is measured.
 
 Keys a variant may hold besides ``DemoSettings`` fields: ``config`` (a dict of ``GRPOConfig``
 fields that win over the recipe's, e.g. ``{"seed": 1}`` for another sampling seed on the same
-split). A ``lora_r`` of 0 trains every weight (no adapter). The recipe's ``train_seconds`` does
+split), and ``dynamic_sampling`` (a dict of ``DynamicSampling`` arguments, e.g.
+``{"max_rounds": 2}``: train only on groups with unequal rewards, sampling again to fill the
+batch). A ``lora_r`` of 0 trains every weight (no adapter). The recipe's ``train_seconds`` does
 not apply (a step budget; a ``linear`` / ``cosine`` ``lr_schedule`` decays over ``--steps``).
 
 ``--eval-problems N`` evaluates on the first N problems of a test split drawn with the same seed;
@@ -51,10 +53,13 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
     from grpo_engine.eval import greedy_accuracy
     from grpo_engine.models import load_model
     from grpo_engine.rewards import MathAccuracy
+    from grpo_engine.sampling import DynamicSampling
 
     if threads:
         torch.set_num_threads(threads)
-    s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items() if k != "config"})
+    s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items()
+                                               if k not in ("config", "dynamic_sampling")})
+    dynamic = DynamicSampling(**variant["dynamic_sampling"]) if "dynamic_sampling" in variant else None
     torch.manual_seed(s.seed)
     policy, tokenizer = load_model(model or smollm2_folder())
     train, test = arithmetic_task(s.num_train, max(s.num_test, eval_problems or 0), seed=s.seed)
@@ -68,7 +73,7 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
         lora = LoRA(r=s.lora_r, alpha=2 * s.lora_r) if s.lora_r else None
         memory = MemoryPlan(lora=lora, micro_batch_size=s.micro_batch_size)
         trainer = GRPOTrainer(policy, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
-                              template=template)
+                              template=template, dynamic_sampling=dynamic)
         curve = []
         for step in range(1, steps + 1):
             trainer.step()
@@ -103,8 +108,8 @@ def accuracy_by_kind(problems: list, correct: list[bool]) -> dict[str, list[int]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", action="append", default=[], help="JSON: DemoSettings fields "
-                        "and/or config to change (repeatable; default: the shipped recipe only)")
+    parser.add_argument("--variant", action="append", default=[], help="JSON: DemoSettings fields, "
+                        "config and/or dynamic_sampling to change (repeatable; default: the shipped recipe only)")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-problems", type=int, help="held-out problems to evaluate on (default: the "

@@ -99,6 +99,25 @@ def test_lora_r_zero_trains_every_weight(tiny_folder, monkeypatch):
     assert built[0].lora is None
 
 
+def test_a_dynamic_sampling_variant_builds_the_filter(tiny_folder, monkeypatch):
+    import grpo_engine
+    from grpo_engine.sampling import DynamicSampling
+
+    built = []
+    real = grpo_engine.GRPOTrainer
+
+    def spy(*args, **kwargs):
+        built.append(kwargs.get("dynamic_sampling"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo_engine, "GRPOTrainer", spy)
+    small = {"num_train": 16, "num_test": 4, "max_completion_tokens": 4, "eval_max_new_tokens": 4}
+    recipe_sweep.run_variant({**small, "dynamic_sampling": {"max_rounds": 2}}, steps=1, eval_every=1,
+                             model=str(tiny_folder), threads=1)
+    recipe_sweep.run_variant(small, steps=1, eval_every=1, model=str(tiny_folder), threads=1)
+    assert built == [DynamicSampling(max_rounds=2), None]
+
+
 def test_an_unknown_recipe_field_is_refused(tiny_folder):
     with pytest.raises(TypeError, match="temprature"):
         recipe_sweep.run_variant({"temprature": 0.8}, steps=1, eval_every=1, model=str(tiny_folder), threads=1)
