@@ -41,7 +41,8 @@ from torch import nn
 from grpo_engine.data.templates import PromptTemplate, default_template
 from grpo_engine.protocols import RewardFn
 from grpo_engine.rewards.math import answers_equal, final_answer
-from grpo_engine.sampling.hf import HFSampler, completion_mask_from_ids
+from grpo_engine.sampling.decode import completion_mask_from_ids, decode, is_decoder_lm
+from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.types import Prompt
 
 __all__ = ["EvalItem", "EvalReport", "EvalResult", "evaluate", "final_answer", "greedy_accuracy",
@@ -285,15 +286,20 @@ def _greedy_completions(model: nn.Module, encoder: HFSampler, prompts: Sequence[
     """Greedy completion texts (up to the first EOS) of the prompts, in one generate call."""
     device = next(model.parameters()).device
     ids, mask = encoder.encode_prompts(prompts)
+    ids, mask = ids.to(device), mask.to(device)
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.long().to(device), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=encoder.eos_ids,
-                             pad_token_id=encoder.pad_id, temperature=None, top_p=None, top_k=None)
+        if is_decoder_lm(model):
+            completion, _ = decode(model, ids, mask, repeats=1, max_new_tokens=max_new_tokens, eos_ids=encoder.eos_ids,
+                                   pad_id=encoder.pad_id, choose=lambda logits: (logits.argmax(-1), None))
+        else:
+            out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=encoder.eos_ids,
+                                 pad_token_id=encoder.pad_id, temperature=None, top_p=None, top_k=None)
+            completion = out[:, ids.shape[1]:]
     finally:
         model.train(was_training)
-    completion = out[:, ids.shape[1]:]
     keep, _ = completion_mask_from_ids(completion, encoder.eos_ids)
     return encoder.tokenizer.batch_decode([row[m].tolist() for row, m in zip(completion, keep)],
                                           skip_special_tokens=True)

@@ -156,18 +156,18 @@ def test_load_model_quantizes_while_loading_and_the_plan_must_agree(tmp_path):
     assert isinstance(policy.base_model.model.model.layers[0].mlp.down_proj.base_layer, bnb.nn.Linear4bit)
 
 
-class Length(Reward):
-    name = "length"
+class CharSum(Reward):
+    name = "char_sum"
 
     def score(self, prompt: Prompt, completion: str) -> float:
-        return float(len(completion) % 3)
+        return float(sum(map(ord, completion)) % 3)  # varies with the content, not only the length
 
 
 def test_a_qlora_step_with_the_adapter_disabled_reference_and_a_paged_8bit_optimizer():
     tok = char_tokenizer()
     plan = MemoryPlan(lora=LoRA(r=4), quantization="nf4", optimizer="paged_adamw8bit", micro_batch_size=4)
     config = GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=6, seed=0)
-    trainer = GRPOTrainer(tiny_llama(len(tok), hidden=64), [Length()], [Prompt("ab", None), Prompt("cd", None)],
+    trainer = GRPOTrainer(tiny_llama(len(tok), hidden=64), [CharSum()], [Prompt("ab", None), Prompt("cd", None)],
                           config=config, memory=plan, tokenizer=tok, loss=ClippedSurrogate(kl_coef=0.1))
     assert trainer.reference is not None and isinstance(trainer.optimizer, bnb.optim.PagedAdamW8bit)
     before = [p.detach().clone() for p in trainable_parameters(trainer.model)]
@@ -217,7 +217,7 @@ def test_offloaded_activations_give_the_same_gradients_and_go_through_the_hooks(
         if offload:
             monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
         plan = MemoryPlan(lora=LoRA(r=4), offload_activations=offload, micro_batch_size=4)
-        trainer = GRPOTrainer(tiny_llama(len(tok)), [Length()], prompts, tokenizer=tok, memory=plan,
+        trainer = GRPOTrainer(tiny_llama(len(tok)), [CharSum()], prompts, tokenizer=tok, memory=plan,
                               config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=6, seed=0))
         torch.manual_seed(1)
         batch = trainer.sampler.sample(prompts, group_size=4)

@@ -1,14 +1,17 @@
-"""HFSampler: samples G completions per prompt with transformers ``generate`` on the live policy.
+"""HFSampler: samples G completions per prompt from the live policy.
 
 - Prompts are rendered by a template, tokenised once, cut from the left to ``max_prompt_tokens``
   and left-padded; each prompt row is repeated G times.
 - The returned ids are exactly the sampled ids (never decoded and re-tokenised). A completion
   ends at its first EOS token (kept, and counted in the loss) or is truncated at
   ``max_completion_tokens``.
+- A transformers causal LM runs our decoding loop (:mod:`grpo_engine.sampling.decode`): a row
+  leaves the batch at its EOS token, and tokens are drawn exactly by a two-level inverse CDF. Any
+  other model is sampled with its own ``generate()``.
 - The prompt is encoded once per group (``share_prompt``): one forward over the B distinct prompts
-  fills a KV cache that is repeated G times, and generation continues from it, so the prompt
+  fills a KV cache that is repeated G times, and decoding continues from it, so the prompt
   prefill costs B rows instead of B*G.
-- Sampling uses our own processor chain: temperature first, then top-k / top-p. The reported
+- Sampling applies the temperature first, then top-k / top-p. The reported
   ``sampler_logprobs`` are the log-probs of the temperature-scaled distribution before any
   top-k / top-p truncation, the same quantity the trainer computes (they match exactly when
   top-k and top-p are off).
@@ -23,7 +26,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
 from grpo_engine.data.templates import PromptTemplate, default_template
-from grpo_engine.logprobs import kv_cache, position_ids_from_mask
+from grpo_engine.sampling.decode import completion_mask_from_ids, decode, is_decoder_lm, sample_categorical
 from grpo_engine.types import Prompt, RolloutBatch
 
 __all__ = ["HFSampler", "eos_token_ids"]
@@ -140,32 +143,25 @@ class HFSampler:
             raise ValueError("sample() got no prompts; pass at least one Prompt")
         device = next(self.model.parameters()).device
         ids, mask = self.encode_prompts(prompts)
-        prompt_ids = ids.repeat_interleave(group_size, dim=0).to(device)  # [N, P]
-        prompt_mask = mask.repeat_interleave(group_size, dim=0).to(device)  # [N, P]
-        recorder = _TemperatureRecorder(self.temperature, prompt_ids.shape[1], record=self.return_logprobs)
-        processors = LogitsProcessorList([recorder])
-        if self.top_k > 0:
-            processors.append(TopKLogitsWarper(self.top_k))
-        if self.top_p < 1.0:
-            processors.append(TopPLogitsWarper(self.top_p))
-        config = GenerationConfig(
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=self.max_completion_tokens,
-            eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
-        )
+        ids, mask = ids.to(device), mask.to(device)
+        prompt_ids = ids.repeat_interleave(group_size, dim=0)  # [N, P]
+        prompt_mask = mask.repeat_interleave(group_size, dim=0)  # [N, P]
         was_training = self.model.training
         self.model.eval()
         try:
-            cache = self._shared_prefill(ids.to(device), mask.to(device), group_size)
-            sequences = self.model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config,
-                logits_processor=processors, **(cache or {}),
-            )
+            if is_decoder_lm(self.model):
+                shared = self.share_prompt and group_size > 1
+                completion_ids, logprobs = decode(
+                    self.model, ids if shared else prompt_ids, mask if shared else prompt_mask,
+                    repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
+                    eos_ids=self.eos_ids, pad_id=self.pad_id, choose=self._choose)
+            else:
+                completion_ids, logprobs = self._generate(prompt_ids, prompt_mask)
         finally:
             self.model.train(was_training)
-        completion_ids = sequences[:, prompt_ids.shape[1]:]  # [N, C]
         completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_ids)
         completion_ids = completion_ids.masked_fill(~completion_mask, self.pad_id)
-        logprobs = recorder.finish(sequences).masked_fill(~completion_mask, 0.0) if self.return_logprobs else None
+        logprobs = logprobs.masked_fill(~completion_mask, 0.0) if logprobs is not None else None
         texts = tuple(self.tokenizer.batch_decode(
             [row[m].tolist() for row, m in zip(completion_ids, completion_mask)], skip_special_tokens=True
         ))
@@ -175,34 +171,36 @@ class HFSampler:
             texts=texts, sampler_logprobs=logprobs,
         )
 
-    def _shared_prefill(self, ids: Tensor, mask: Tensor, group_size: int):
-        """The KV cache of every prompt token but the last, computed once per prompt and repeated G
-        times, as the keyword ``generate`` takes it; ``generate`` then runs the last prompt token and
-        samples. None when not shared."""
-        if not self.share_prompt or group_size == 1 or ids.shape[1] < 2:
-            return None
-        if getattr(self.model, "config", None) is None or not hasattr(self.model, "get_decoder"):
-            return None  # not a transformers model: only its generate() is used
-        head = mask[:, :-1].long()
-        out = self.model(input_ids=ids[:, :-1], attention_mask=head, position_ids=position_ids_from_mask(head),
-                         use_cache=True, logits_to_keep=1)
-        name, cache = kv_cache(out)
-        if cache is None or not hasattr(cache, "batch_repeat_interleave"):
-            return None
-        cache.batch_repeat_interleave(group_size)
-        return {name: cache}
+    def _warpers(self) -> list[LogitsProcessor]:
+        warpers: list[LogitsProcessor] = []
+        if self.top_k > 0:
+            warpers.append(TopKLogitsWarper(self.top_k))
+        if self.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(self.top_p))
+        return warpers
 
+    def _choose(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Draws one token per row of ``logits`` [n, V]: temperature, then top-k / top-p; reports the
+        log-prob of the drawn token under the temperature-scaled distribution."""
+        scores = logits.float() / self.temperature
+        logprobs = torch.log_softmax(scores, dim=-1)
+        warpers = self._warpers()
+        for warper in warpers:  # the warpers read only the scores
+            scores = warper(None, scores)
+        token = sample_categorical(torch.softmax(scores, dim=-1) if warpers else logprobs.exp())
+        if not self.return_logprobs:
+            return token, None
+        return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
 
-def completion_mask_from_ids(completion_ids: Tensor, eos_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """Mask [N, C] (True up to and including the first EOS) and truncation flags [N].
-
-    Example:
-        >>> mask, trunc = completion_mask_from_ids(torch.tensor([[5, 1, 0], [5, 6, 7]]), [1])
-        >>> mask.tolist(), trunc.tolist()
-        ([[True, True, False], [True, True, True]], [False, True])
-    """
-    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_ids), device=completion_ids.device))
-    has_eos = is_eos.any(dim=1)
-    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # EOS tokens strictly before t
-    mask = eos_before == 0
-    return mask, ~has_eos
+    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Completion ids [N, C] and log-probs from the model's own ``generate()`` (a model that is not
+        a transformers causal LM)."""
+        recorder = _TemperatureRecorder(self.temperature, prompt_ids.shape[1], record=self.return_logprobs)
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=self.max_completion_tokens,
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
+        )
+        sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
+                                        generation_config=config,
+                                        logits_processor=LogitsProcessorList([recorder, *self._warpers()]))
+        return sequences[:, prompt_ids.shape[1]:], recorder.finish(sequences) if self.return_logprobs else None
