@@ -258,6 +258,7 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         advantage, loss = GroupNormalized(eps=eps), ClippedSurrogate(aggregation=aggregation)
         train_tokens = spec.max_completion_tokens
         prompts, group = spec.prompts_per_step, spec.group_size
+        merge = False
     else:
         lr, temperature, r, alpha = demo.learning_rate, demo.temperature, demo.lora_r, 2.0 * demo.lora_r
         schedule = demo.lr_schedule  # a decay follows the trainer's clock, step time as the benchmark counts it
@@ -265,6 +266,7 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         advantage, loss = GroupNormalized(), ClippedSurrogate()
         train_tokens = demo.max_completion_tokens  # our recipe's training cap; evaluation keeps the task's
         prompts, group = demo.prompts_per_step, demo.group_size  # our recipe's batch shape
+        merge = demo.merge_lora_for_sampling
     torch.manual_seed(spec.seed)
     config = GRPOConfig(
         prompts_per_step=prompts, group_size=group,
@@ -273,7 +275,7 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         progress_bar=False,
     )
     memory = MemoryPlan(lora=LoRA(r=r, alpha=alpha, dropout=0.0, target_modules="all-linear"),
-                        micro_batch_size=micro)
+                        micro_batch_size=micro, merge_lora_for_sampling=merge)
     trainer = GRPOTrainer(s.model, [s.reward], s.train, config, memory, tokenizer=s.tokenizer, template=s.template,
                           advantage=advantage, loss=loss)
     clock = s.clock(lambda: trainer.model)

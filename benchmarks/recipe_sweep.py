@@ -71,7 +71,8 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
             "learning_rate": s.learning_rate, "lr_schedule": s.lr_schedule, "seed": s.seed, "output_dir": out,
             "progress_bar": False, **variant.get("config", {})})
         lora = LoRA(r=s.lora_r, alpha=2 * s.lora_r) if s.lora_r else None
-        memory = MemoryPlan(lora=lora, micro_batch_size=s.micro_batch_size)
+        memory = MemoryPlan(lora=lora, micro_batch_size=s.micro_batch_size,
+                            merge_lora_for_sampling=s.merge_lora_for_sampling and lora is not None)
         trainer = GRPOTrainer(policy, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
                               template=template, dynamic_sampling=dynamic)
         curve = []

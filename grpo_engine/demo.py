@@ -42,6 +42,7 @@ class DemoSettings:
     learning_rate: float = 3e-4
     lr_schedule: str = "cosine"  # a GRPOConfig.lr_schedule; linear / cosine decay over train_seconds
     lora_r: int = 16
+    merge_lora_for_sampling: bool = True  # a MemoryPlan field: sample with the adapters merged (faster)
     micro_batch_size: int = 16
     instruction: str = " Reply with only the final number."
     seed: int = 0
@@ -106,7 +107,8 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
         max_prompt_tokens=128, max_steps=10_000, max_train_seconds=s.train_seconds, temperature=s.temperature,
         learning_rate=s.learning_rate, lr_schedule=s.lr_schedule, seed=s.seed, output_dir=str(out),
     )
-    memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size)
+    memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size,
+                        merge_lora_for_sampling=s.merge_lora_for_sampling)
     trainer = GRPOTrainer(model, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
                           template=template)
     history = trainer.train()

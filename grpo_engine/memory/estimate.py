@@ -6,6 +6,7 @@ the peak is the largest of them:
 
     resident  = weights + adapters + optimizer state (+ a frozen reference copy under full FT + KL)
     sampling  = resident + KV cache of B*G rows x (P + C) tokens + per-step logits [B*G, V] fp32
+                (+ a merged copy of the adapted weights with merge_lora_for_sampling)
     training  = resident + gradients + saved activations of one micro-batch + one layer's backward
                 + one tile of lm_head logits (chunk x tile fp32, x3: logits, exp, gradient)
     optimizer = resident + gradients + the update's temporaries
@@ -103,12 +104,15 @@ class ModelShape:
         head = 0 if self.tie_embeddings else self.vocab * self.hidden
         return self.vocab * self.hidden + self.linear_params + self.layers * bias + norms + head
 
-    def lora_params(self, lora: LoRA) -> int:
-        """Adapter parameters: r x (in + out) for every adapted linear layer."""
+    def adapted_shapes(self, lora: LoRA) -> list[tuple[int, int]]:
+        """(in, out) of the linear layers of one decoder layer that the adapters target."""
         names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
         targets = lora.target_modules
-        chosen = [s for n, s in zip(names, self.linear_shapes()) if targets == "all-linear" or n in targets]
-        return self.layers * sum(lora.r * (i + o) for i, o in chosen)
+        return [s for n, s in zip(names, self.linear_shapes()) if targets == "all-linear" or n in targets]
+
+    def lora_params(self, lora: LoRA) -> int:
+        """Adapter parameters: r x (in + out) for every adapted linear layer."""
+        return self.layers * sum(lora.r * (i + o) for i, o in self.adapted_shapes(lora))
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
@@ -253,7 +257,10 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
     length = w.prompt_tokens + w.completion_tokens
     parts["kv_cache"] = w.rows * length * s.layers * 2 * s.kv_dim * dt
     parts["sampling_logits"] = w.rows * s.vocab * 4 * 3
-    sampling = resident + parts["kv_cache"] + parts["sampling_logits"]
+    # merge_lora_for_sampling: a merged copy of every adapted weight while sampling
+    merged = s.layers * sum(i * o for i, o in s.adapted_shapes(plan.lora)) if plan.merge_lora_for_sampling else 0
+    parts["merged_weights"] = merged * dt
+    sampling = resident + parts["kv_cache"] + parts["sampling_logits"] + parts["merged_weights"]
 
     # training: gradients, saved activations of one micro-batch, one layer's backward, one logits tile
     parts["gradients"] = trainable * grad_bytes

@@ -19,6 +19,9 @@ optimizer. Nothing in the step loop branches on it.
   runs once per group: in sampling the prompt's KV cache is computed once and repeated, and in the
   training pass each distinct prompt of a micro-batch runs once and its KV cache is gathered to
   the rows (not under gradient checkpointing, where transformers keeps no cache while training).
+- ``merge_lora_for_sampling``: sample with each LoRA delta merged into a temporary copy of its base
+  weight (one matmul per layer instead of three; float32 base weights, no quantization): faster
+  decoding for one copy of the adapted weights while sampling.
 - ``micro_batch_size``: completions per forward/backward; the step's gradient is accumulated over
   ``ceil(completions_per_step / micro_batch_size)`` micro-batches and equals the one-batch gradient.
 - ``dtype``: the dtype of the frozen base weights (LoRA adapters stay float32).
@@ -84,6 +87,10 @@ class MemoryPlan(FrozenModel):
     share_prompt: bool = Field(
         True, description="Run each prompt once per group (sampling prefill and training forward), not G times."
     )
+    merge_lora_for_sampling: bool = Field(
+        False, description="Sample with the LoRA deltas merged into a temporary copy of the adapted weights: "
+        "faster decoding for one copy of those weights while sampling (float32 base weights, no quantization)."
+    )
     micro_batch_size: int = Field(8, description="Completions per forward/backward (gradient accumulation).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the (frozen) base weights; adapters stay float32."
@@ -127,10 +134,16 @@ class MemoryPlan(FrozenModel):
         return choice.plan
 
     @model_validator(mode="after")
-    def _quantization_needs_lora(self) -> MemoryPlan:
+    def _check_combinations(self) -> MemoryPlan:
         if self.quantization is not None and self.lora is None:
             raise ValueError(f"quantization={self.quantization!r} needs lora: a 4-bit base cannot be trained "
                              "itself; add lora=LoRA(r=16) (QLoRA), or set quantization to null")
+        if self.merge_lora_for_sampling and (self.lora is None or self.quantization is not None
+                                             or self.dtype != "float32"):
+            raise ValueError(f"merge_lora_for_sampling=True needs lora, dtype='float32' and no quantization "
+                             f"(got lora={'set' if self.lora else None}, dtype={self.dtype!r}, "
+                             f"quantization={self.quantization!r}): a merged 4-bit or half-precision weight would "
+                             "lose small LoRA updates; set merge_lora_for_sampling=False")
         return self
 
 

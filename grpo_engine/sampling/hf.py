@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from grpo_engine.data.templates import PromptTemplate, default_template
 from grpo_engine.sampling.decode import completion_mask_from_ids, decode, is_decoder_lm, sample_categorical
+from grpo_engine.sampling.merge import check_mergeable, merged_lora
 from grpo_engine.types import Prompt, RolloutBatch
 
 __all__ = ["HFSampler", "eos_token_ids"]
@@ -86,6 +88,9 @@ class HFSampler:
         return_logprobs: also report the sampled tokens' log-probs (costs one log-softmax per step).
         share_prompt: prefill each distinct prompt once and repeat its KV cache across the group
             (falls back to a prefill per row for models whose cache cannot be repeated).
+        merge_lora: sample with each LoRA delta merged into a temporary copy of its base weight
+            (:func:`~grpo_engine.sampling.merge.merged_lora`): faster decoding for one copy of the
+            adapted weights while sampling; float32 base weights only.
 
     Example:
         >>> # sampler = HFSampler(model, tokenizer, max_completion_tokens=64)
@@ -105,6 +110,7 @@ class HFSampler:
         top_k: int = 0,
         return_logprobs: bool = True,
         share_prompt: bool = True,
+        merge_lora: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -116,6 +122,9 @@ class HFSampler:
         self.top_k = top_k
         self.return_logprobs = return_logprobs
         self.share_prompt = share_prompt
+        self.merge_lora = merge_lora
+        if merge_lora:
+            check_mergeable(model)
         self.eos_ids = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
@@ -149,14 +158,15 @@ class HFSampler:
         was_training = self.model.training
         self.model.eval()
         try:
-            if is_decoder_lm(self.model):
-                shared = self.share_prompt and group_size > 1
-                completion_ids, logprobs = decode(
-                    self.model, ids if shared else prompt_ids, mask if shared else prompt_mask,
-                    repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
-                    eos_ids=self.eos_ids, pad_id=self.pad_id, choose=self._choose)
-            else:
-                completion_ids, logprobs = self._generate(prompt_ids, prompt_mask)
+            with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
+                if is_decoder_lm(self.model):
+                    shared = self.share_prompt and group_size > 1
+                    completion_ids, logprobs = decode(
+                        self.model, ids if shared else prompt_ids, mask if shared else prompt_mask,
+                        repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
+                        eos_ids=self.eos_ids, pad_id=self.pad_id, choose=self._choose)
+                else:
+                    completion_ids, logprobs = self._generate(prompt_ids, prompt_mask)
         finally:
             self.model.train(was_training)
         completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_ids)
@@ -183,12 +193,13 @@ class HFSampler:
         """Draws one token per row of ``logits`` [n, V]: temperature, then top-k / top-p; reports the
         log-prob of the drawn token under the temperature-scaled distribution."""
         scores = logits.float() / self.temperature
-        logprobs = torch.log_softmax(scores, dim=-1)
+        logprobs = torch.log_softmax(scores, dim=-1) if self.return_logprobs else None
         warpers = self._warpers()
         for warper in warpers:  # the warpers read only the scores
             scores = warper(None, scores)
-        token = sample_categorical(torch.softmax(scores, dim=-1) if warpers else logprobs.exp())
-        if not self.return_logprobs:
+        token = sample_categorical(logprobs.exp() if logprobs is not None and not warpers
+                                   else torch.softmax(scores, dim=-1))
+        if logprobs is None:
             return token, None
         return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
 
