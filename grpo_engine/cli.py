@@ -185,7 +185,7 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=_positive(int), default=256,
                    help="generation limit (default %(default)s)")
     p.add_argument("--batch-size", type=_positive(int), default=32,
-                   help="completions per generate call (default %(default)s)")
+                   help="completions per decoding call (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--template-instruction", default="", help="text appended to each question, e.g. "
                    "' Put the final answer in \\boxed{}.' (default none)")

@@ -283,7 +283,8 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 @torch.no_grad()
 def _greedy_completions(model: nn.Module, encoder: HFSampler, prompts: Sequence[Prompt],
                         max_new_tokens: int) -> list[str]:
-    """Greedy completion texts (up to the first EOS) of the prompts, in one generate call."""
+    """Greedy completion texts (up to the first EOS) of the prompts, in one decoding call (argmax at
+    every step; a model that is not a transformers causal LM decodes with its own generate())."""
     device = next(model.parameters()).device
     ids, mask = encoder.encode_prompts(prompts)
     ids, mask = ids.to(device), mask.to(device)
@@ -325,7 +326,7 @@ def greedy_accuracy(
         reward: scores a completion (e.g. ``MathAccuracy()``).
         template: the prompt template (default: the chat template when the tokenizer has one).
         max_new_tokens: generation limit.
-        batch_size: prompts per generate call.
+        batch_size: prompts per decoding call.
         threshold: score at or above which a completion is correct.
 
     Returns:
@@ -369,7 +370,7 @@ def evaluate(
         k: samples per prompt; sampling runs when k > 1 or ``greedy`` is False.
         temperature: sampling temperature (top-p and top-k off).
         max_new_tokens: generation limit, greedy and sampled.
-        batch_size: completions per generate call (greedy: prompts; sampled: ``batch_size // k``
+        batch_size: completions per decoding call (greedy: prompts; sampled: ``batch_size // k``
             prompts, at least one, times k).
         seed: seeds the sampling (in a forked RNG; the caller's random state is untouched).
         greedy: also decode greedily (pass@1).

@@ -9,7 +9,7 @@ chunk of logits either. Peak logits memory is ``chunk_size * V`` floats, not ``n
 
     log p(y_t) = z_{y_t} / tau - logsumexp(z / tau),   z = lm_head(h_{t-1}) in float32
 
-Position ids follow transformers' ``generate`` for left-padded prompts
+Position ids follow the sampler's decoding loop (and transformers' ``generate``) for left-padded prompts
 (``cumsum(attention_mask) - 1``), so the log-probs equal those of the sampler.
 
 Prompt sharing: the G completions of a group share one prompt. With ``share_prompt`` the decoder

@@ -35,7 +35,8 @@ __all__ = ["HFSampler", "eos_token_ids"]
 
 
 class _TemperatureRecorder(LogitsProcessor):
-    """Divides logits by the temperature and records the log-prob of each sampled token."""
+    """For a model's own ``generate()``: divides logits by the temperature and records the
+    log-prob of each sampled token."""
 
     def __init__(self, temperature: float, prompt_width: int, record: bool = True) -> None:
         self.temperature = temperature
@@ -76,7 +77,8 @@ def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
 
 
 class HFSampler:
-    """Samples with ``model.generate``; the Sampler protocol.
+    """Samples with our decoding loop (a model's own ``generate()`` if it is not a transformers
+    causal LM); the Sampler protocol.
 
     Args:
         model: the policy (updated in place by the trainer, so samples are always on-policy).
