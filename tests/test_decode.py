@@ -142,3 +142,20 @@ def test_a_model_with_only_generate_is_sampled_through_it():
                                       batch.completion_mask, temperature=0.7)
     torch.testing.assert_close(batch.sampler_logprobs, trainer, rtol=0, atol=1e-5)
     assert len(set(batch.texts)) > 1
+
+
+def test_a_cache_that_cannot_repeat_rows_gets_one_prefill_per_row(monkeypatch):
+    tok = char_tokenizer()
+    model = tiny_llama(len(tok))
+    ids, mask, eos = prompts_and_eos(model, tok)
+    shared, _ = decode(model, ids, mask, repeats=2, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
+    supports, calls = decode_module._supports, []
+
+    def no_repeat(cache, method):
+        calls.append(method)
+        return method != "batch_repeat_interleave" and supports(cache, method)
+
+    monkeypatch.setattr(decode_module, "_supports", no_repeat)
+    fallback, _ = decode(model, ids, mask, repeats=2, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
+    assert "batch_repeat_interleave" in calls
+    assert torch.equal(shared, fallback)

@@ -71,10 +71,14 @@ def is_decoder_lm(model: nn.Module) -> bool:
     return getattr(model, "config", None) is not None and hasattr(model, "get_decoder")
 
 
-def _can_select_rows(cache) -> bool:
+def _supports(cache, method: str) -> bool:
+    """Whether a transformers cache and every one of its layers implement ``method``."""
     layers = getattr(cache, "layers", None)
-    return hasattr(cache, "batch_select_indices") and layers is not None and all(
-        hasattr(layer, "batch_select_indices") for layer in layers)
+    return hasattr(cache, method) and layers is not None and all(hasattr(layer, method) for layer in layers)
+
+
+def _can_select_rows(cache) -> bool:
+    return _supports(cache, "batch_select_indices")
 
 
 def _prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int) -> dict:
@@ -89,7 +93,7 @@ def _prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int) -> dict:
     if cache is None:
         raise ValueError(f"{type(model).__name__} returned no KV cache with use_cache=True; the sampler needs one")
     if repeats > 1:
-        if not hasattr(cache, "batch_repeat_interleave"):  # a cache that cannot repeat rows: one prefill per row
+        if not _supports(cache, "batch_repeat_interleave"):  # a cache that cannot repeat rows: one prefill per row
             return _prefill(model, ids.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0), 1)
         cache.batch_repeat_interleave(repeats)
     return {name: cache}
