@@ -532,8 +532,10 @@ def compare(spec: Spec, seeds: int, out: Path) -> dict:
     if seeds > 1:
         summary.update(delta_after_pts_runs=deltas, delta_after_pts_std=_std(deltas))
     summary.update(problems=problems, warnings=warnings, errors=errors, out=str(out))
+    shapes = ", ".join(f"{engine} {r[0]['settings']['prompts_per_step']}x{r[0]['settings']['group_size']}"
+                       for engine, r in runs.items() if r)  # each engine's own batch (they differ in defaults mode)
     plot(runs, out / "learning.png", title=f"{Path(spec.model).name}, {spec.mode} settings, {spec.budget_s:g} s "
-                                           f"training budget, B={spec.prompts_per_step} G={spec.group_size}",
+                                           f"training budget, prompts x completions: {shapes}",
          budget_s=spec.budget_s, subset=spec.eval_subset)
     report = {**summary, "spec": dataclasses.asdict(spec), "hardware": _hardware(spec.device),
               "versions": _versions(), "runs": runs}
