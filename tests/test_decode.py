@@ -67,6 +67,28 @@ def test_first_tokens_follow_the_temperature_scaled_distribution():
     assert ((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 2).all()
 
 
+def test_top_k_and_top_p_draw_only_the_kept_ids_and_report_untruncated_logprobs():
+    tok = char_tokenizer()
+    model = tiny_llama(len(tok), hidden=16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.0)
+    prompt = Prompt("12+", "x")
+    ids, mask = HFSampler(model, tok, template=PlainTemplate("{question}")).encode_prompts([prompt])
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=ids, attention_mask=mask.long()).logits[0, -1] / 0.7, -1)
+    order = probs.argsort(descending=True)
+    nucleus = int((probs[order].cumsum(0) < 0.6).sum()) + 1  # the fewest ids whose mass reaches 0.6
+    for kw, kept in ((dict(top_k=3), order[:3]), (dict(top_p=0.6), order[:nucleus])):
+        sampler = HFSampler(model, tok, template=PlainTemplate("{question}"), max_completion_tokens=1,
+                            temperature=0.7, **kw)
+        torch.manual_seed(0)
+        batch = sampler.sample([prompt], group_size=2000)
+        drawn = set(batch.completion_ids[:, 0].tolist())
+        assert drawn <= set(kept.tolist()) and len(drawn) >= 2, (kw, drawn)
+        expected = probs.log()[batch.completion_ids[:, 0]]  # before truncation, as the trainer computes
+        torch.testing.assert_close(batch.sampler_logprobs[:, 0], expected, rtol=0, atol=1e-5)
+
+
 # -- the loop -------------------------------------------------------------------------------------
 
 
@@ -102,7 +124,8 @@ def test_decode_without_row_removal_gives_the_same_ids(monkeypatch):
     model = tiny_llama(len(tok))
     ids, mask, eos = prompts_and_eos(model, tok)
     pruned, _ = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
-    monkeypatch.setattr(decode_module, "_can_select_rows", lambda cache: False)
+    supports = decode_module._supports
+    monkeypatch.setattr(decode_module, "_supports", lambda cache, m: m != "batch_select_indices" and supports(cache, m))
     kept, _ = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
     assert torch.equal(pruned, kept)
 
@@ -159,3 +182,13 @@ def test_a_cache_that_cannot_repeat_rows_gets_one_prefill_per_row(monkeypatch):
     fallback, _ = decode(model, ids, mask, repeats=2, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
     assert "batch_repeat_interleave" in calls
     assert torch.equal(shared, fallback)
+
+
+def test_a_one_token_prompt_decodes_without_a_prefill():
+    tok = char_tokenizer()
+    model = tiny_llama(len(tok))
+    ids, mask = torch.tensor([[7], [12]]), torch.ones(2, 1, dtype=torch.bool)
+    out, _ = decode(model, ids, mask, repeats=2, max_new_tokens=6, eos_ids=[1], pad_id=0, choose=greedy)
+    reference = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=False, max_new_tokens=6,
+                               eos_token_id=1, pad_token_id=0)[:, 1:]
+    assert torch.equal(out[::2, :reference.shape[1]], reference) and torch.equal(out[::2], out[1::2])

@@ -77,10 +77,6 @@ def _supports(cache, method: str) -> bool:
     return hasattr(cache, method) and layers is not None and all(hasattr(layer, method) for layer in layers)
 
 
-def _can_select_rows(cache) -> bool:
-    return _supports(cache, "batch_select_indices")
-
-
 def _prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int) -> dict:
     """The KV cache of every prompt token but the last, as the keyword the model takes it, with
     each row repeated ``repeats`` times; {} when there is no such token."""
@@ -135,7 +131,7 @@ def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new
             break
         name, cache_now = kv_cache(out)
         cache = {name: cache_now}
-        prune = prune and _can_select_rows(cache_now)
+        prune = prune and _supports(cache_now, "batch_select_indices")
         if prune and done.any():
             keep = (~done).nonzero().squeeze(1)
             cache_now.batch_select_indices(keep)
