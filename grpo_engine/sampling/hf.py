@@ -163,10 +163,12 @@ class HFSampler:
             with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
                 if is_decoder_lm(self.model):
                     shared = self.share_prompt and group_size > 1
+                    warpers = self._warpers()  # built once per call, not at every token
                     completion_ids, logprobs = decode(
                         self.model, ids if shared else prompt_ids, mask if shared else prompt_mask,
                         repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
-                        eos_ids=self.eos_ids, pad_id=self.pad_id, choose=self._choose)
+                        eos_ids=self.eos_ids, pad_id=self.pad_id,
+                        choose=lambda logits: self._choose(logits, warpers))
                 else:
                     completion_ids, logprobs = self._generate(prompt_ids, prompt_mask)
         finally:
@@ -191,12 +193,11 @@ class HFSampler:
             warpers.append(TopPLogitsWarper(self.top_p))
         return warpers
 
-    def _choose(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _choose(self, logits: Tensor, warpers: list[LogitsProcessor]) -> tuple[Tensor, Tensor | None]:
         """Draws one token per row of ``logits`` [n, V]: temperature, then top-k / top-p; reports the
         log-prob of the drawn token under the temperature-scaled distribution."""
         scores = logits.float() / self.temperature
         logprobs = torch.log_softmax(scores, dim=-1) if self.return_logprobs else None
-        warpers = self._warpers()
         for warper in warpers:  # the warpers read only the scores
             scores = warper(None, scores)
         token = sample_categorical(logprobs.exp() if logprobs is not None and not warpers
