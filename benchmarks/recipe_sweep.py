@@ -8,10 +8,13 @@ machine does not change what is measured.
 
 Keys a variant may hold besides ``DemoSettings`` fields: ``config`` (a dict of ``GRPOConfig``
 fields that win over the recipe's, e.g. ``{"seed": 1}`` for another sampling seed on the same
-split), and ``dynamic_sampling`` (a dict of ``DynamicSampling`` arguments, e.g.
+split), ``dynamic_sampling`` (a dict of ``DynamicSampling`` arguments, e.g.
 ``{"max_rounds": 2}``: train only on groups with unequal rewards, sampling again to fill the
-batch). A ``lora_r`` of 0 trains every weight (no adapter). The recipe's ``train_seconds`` does
-not apply (a step budget; a ``linear`` / ``cosine`` ``lr_schedule`` decays over ``--steps``).
+batch), ``advantage`` (the name of a class in ``grpo_engine.advantages`` and its arguments, e.g.
+``{"name": "GroupNormalized", "std_scope": "none"}``) and ``loss`` (``ClippedSurrogate``
+arguments, e.g. ``{"aggregation": "token"}``; the default is the trainer's). A ``lora_r`` of 0
+trains every weight (no adapter). The recipe's ``train_seconds`` does not apply (a step budget;
+a ``linear`` / ``cosine`` ``lr_schedule`` decays over ``--steps``).
 
 ``--eval-problems N`` evaluates on the first N problems of a test split drawn with the same seed;
 its first ``num_test`` (64) problems are exactly the demo's held-out set (``arithmetic_task``
@@ -42,6 +45,22 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+COMPONENT_KEYS = ("config", "dynamic_sampling", "advantage", "loss")  # variant keys that are not DemoSettings fields
+
+
+def build_advantage(spec: dict):
+    """The advantage function a variant names: ``{"name": class in grpo_engine.advantages, **arguments}``."""
+    from grpo_engine import advantages
+
+    arguments = dict(spec)
+    name = arguments.pop("name", None)
+    if name not in advantages.__all__ or not isinstance(getattr(advantages, name), type):
+        choices = [n for n in advantages.__all__ if isinstance(getattr(advantages, n), type)]
+        raise ValueError(f"advantage name {name!r} is not a class of grpo_engine.advantages; use one of {choices}, "
+                         'e.g. {"name": "GroupNormalized", "std_scope": "none"}')
+    return getattr(advantages, name)(**arguments)
+
+
 def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None, threads: int | None,
                 eval_problems: int | None = None) -> dict:
     """Trains the demo recipe with ``variant`` applied; returns its accuracy curve and step times."""
@@ -51,15 +70,17 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
     from grpo_engine.data import ChatTemplate, arithmetic_task
     from grpo_engine.demo import DemoSettings, smollm2_folder
     from grpo_engine.eval import greedy_accuracy
+    from grpo_engine.losses import ClippedSurrogate
     from grpo_engine.models import load_model
     from grpo_engine.rewards import MathAccuracy
     from grpo_engine.sampling import DynamicSampling
 
     if threads:
         torch.set_num_threads(threads)
-    s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items()
-                                               if k not in ("config", "dynamic_sampling")})
+    s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items() if k not in COMPONENT_KEYS})
     dynamic = DynamicSampling(**variant["dynamic_sampling"]) if "dynamic_sampling" in variant else None
+    advantage = build_advantage(variant["advantage"]) if "advantage" in variant else None
+    loss = ClippedSurrogate(**variant["loss"]) if "loss" in variant else None
     torch.manual_seed(s.seed)
     policy, tokenizer = load_model(model or smollm2_folder())
     train, test = arithmetic_task(s.num_train, max(s.num_test, eval_problems or 0), seed=s.seed)
@@ -74,7 +95,7 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
         memory = MemoryPlan(lora=lora, micro_batch_size=s.micro_batch_size,
                             merge_lora_for_sampling=s.merge_lora_for_sampling and lora is not None)
         trainer = GRPOTrainer(policy, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
-                              template=template, dynamic_sampling=dynamic)
+                              template=template, dynamic_sampling=dynamic, advantage=advantage, loss=loss)
         curve = []
         for step in range(1, steps + 1):
             trainer.step()
@@ -109,8 +130,9 @@ def accuracy_by_kind(problems: list, correct: list[bool]) -> dict[str, list[int]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", action="append", default=[], help="JSON: DemoSettings fields, "
-                        "config and/or dynamic_sampling to change (repeatable; default: the shipped recipe only)")
+    parser.add_argument("--variant", action="append", default=[], help="JSON: DemoSettings fields, config, "
+                        "dynamic_sampling, advantage and/or loss to change (repeatable; default: the shipped recipe "
+                        "only)")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-problems", type=int, help="held-out problems to evaluate on (default: the "

@@ -118,6 +118,35 @@ def test_a_dynamic_sampling_variant_builds_the_filter(tiny_folder, monkeypatch):
     assert built == [DynamicSampling(max_rounds=2), None]
 
 
+def test_advantage_and_loss_variants_build_those_components(tiny_folder, monkeypatch):
+    import grpo_engine
+    from grpo_engine.advantages import RLOO, GroupNormalized
+    from grpo_engine.losses import ClippedSurrogate
+
+    built = []
+    real = grpo_engine.GRPOTrainer
+
+    def spy(*args, **kwargs):
+        built.append((kwargs.get("advantage"), kwargs.get("loss")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo_engine, "GRPOTrainer", spy)
+    small = {"num_train": 16, "num_test": 4, "max_completion_tokens": 4, "eval_max_new_tokens": 4}
+    recipe_sweep.run_variant({**small, "advantage": {"name": "GroupNormalized", "std_scope": "none"},
+                              "loss": {"aggregation": "constant", "max_completion_tokens": 4}},
+                             steps=1, eval_every=1, model=str(tiny_folder), threads=1)
+    recipe_sweep.run_variant({**small, "advantage": {"name": "RLOO"}}, steps=1, eval_every=1,
+                             model=str(tiny_folder), threads=1)
+    dr_grpo_loss = ClippedSurrogate(aggregation="constant", max_completion_tokens=4)
+    assert built == [(GroupNormalized(std_scope="none"), dr_grpo_loss), (RLOO(), None)]
+
+
+@pytest.mark.parametrize("name", ["GroupNormalised", "zero_std_fraction", None])
+def test_an_advantage_that_is_not_a_class_of_the_module_is_refused(name):
+    with pytest.raises(ValueError, match=f"advantage name {name!r}.*GroupNormalized"):
+        recipe_sweep.build_advantage({"name": name} if name else {})
+
+
 def test_an_unknown_recipe_field_is_refused(tiny_folder):
     with pytest.raises(TypeError, match="temprature"):
         recipe_sweep.run_variant({"temprature": 0.8}, steps=1, eval_every=1, model=str(tiny_folder), threads=1)
