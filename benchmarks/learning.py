@@ -245,7 +245,7 @@ def run_ours(spec: Spec, workdir: str) -> dict:
     import torch
 
     from grpo_engine import ClippedSurrogate, GroupNormalized, GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
-    from grpo_engine.demo import DemoSettings
+    from grpo_engine.demo import DemoSettings, recipe_components
 
     demo = DemoSettings()
     s = _setup(spec)
@@ -263,7 +263,7 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         lr, temperature, r, alpha = demo.learning_rate, demo.temperature, demo.lora_r, 2.0 * demo.lora_r
         schedule = demo.lr_schedule  # a decay follows the trainer's clock, step time as the benchmark counts it
         micro = spec.micro_batch_size or demo.micro_batch_size
-        advantage, loss = GroupNormalized(), ClippedSurrogate()
+        advantage, loss = recipe_components(demo)
         train_tokens = demo.max_completion_tokens  # our recipe's training cap; evaluation keeps the task's
         prompts, group = demo.prompts_per_step, demo.group_size  # our recipe's batch shape
         merge = demo.merge_lora_for_sampling

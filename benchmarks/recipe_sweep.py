@@ -12,7 +12,8 @@ split), ``dynamic_sampling`` (a dict of ``DynamicSampling`` arguments, e.g.
 ``{"max_rounds": 2}``: train only on groups with unequal rewards, sampling again to fill the
 batch), ``advantage`` (the name of a class in ``grpo_engine.advantages`` and its arguments, e.g.
 ``{"name": "GroupNormalized", "std_scope": "none"}``) and ``loss`` (``ClippedSurrogate``
-arguments, e.g. ``{"aggregation": "token"}``; the default is the trainer's). A ``lora_r`` of 0
+arguments, e.g. ``{"aggregation": "token"}``); both win over the recipe's ``advantage_std_scope``
+and ``loss_aggregation``. A ``lora_r`` of 0
 trains every weight (no adapter). The recipe's ``train_seconds`` does not apply (a step budget;
 a ``linear`` / ``cosine`` ``lr_schedule`` decays over ``--steps``).
 
@@ -68,7 +69,7 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
 
     from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
     from grpo_engine.data import ChatTemplate, arithmetic_task
-    from grpo_engine.demo import DemoSettings, smollm2_folder
+    from grpo_engine.demo import DemoSettings, recipe_components, smollm2_folder
     from grpo_engine.eval import greedy_accuracy
     from grpo_engine.losses import ClippedSurrogate
     from grpo_engine.models import load_model
@@ -79,8 +80,11 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
         torch.set_num_threads(threads)
     s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items() if k not in COMPONENT_KEYS})
     dynamic = DynamicSampling(**variant["dynamic_sampling"]) if "dynamic_sampling" in variant else None
-    advantage = build_advantage(variant["advantage"]) if "advantage" in variant else None
-    loss = ClippedSurrogate(**variant["loss"]) if "loss" in variant else None
+    advantage, loss = recipe_components(s)
+    if "advantage" in variant:
+        advantage = build_advantage(variant["advantage"])
+    if "loss" in variant:
+        loss = ClippedSurrogate(**variant["loss"])
     torch.manual_seed(s.seed)
     policy, tokenizer = load_model(model or smollm2_folder())
     train, test = arithmetic_task(s.num_train, max(s.num_test, eval_problems or 0), seed=s.seed)

@@ -22,7 +22,7 @@ import torch
 
 from grpo_engine.checkpoint import save_pretrained_atomic
 
-__all__ = ["DemoSettings", "smollm2_folder", "run_demo"]
+__all__ = ["DemoSettings", "recipe_components", "smollm2_folder", "run_demo"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -44,9 +44,28 @@ class DemoSettings:
     lora_r: int = 16
     merge_lora_for_sampling: bool = True  # a MemoryPlan field: sample with the adapters merged (faster)
     micro_batch_size: int = 16
+    advantage_std_scope: str = "group"  # GroupNormalized(std_scope=...): "group" (GRPO), "batch", "none" (Dr. GRPO)
+    loss_aggregation: str = "sequence"  # ClippedSurrogate(aggregation=...): "sequence", "token", "constant" (Dr. GRPO)
     instruction: str = " Reply with only the final number."
     seed: int = 0
     output_dir: str = "runs/demo"
+
+
+def recipe_components(settings: DemoSettings) -> tuple:
+    """The recipe's advantage function and loss: ``(GroupNormalized, ClippedSurrogate)``.
+
+    Example:
+        >>> advantage, loss = recipe_components(DemoSettings(advantage_std_scope="none", loss_aggregation="constant"))
+        >>> advantage.std_scope, loss.aggregation, loss.max_completion_tokens
+        ('none', 'constant', 16)
+    """
+    from grpo_engine.advantages import GroupNormalized
+    from grpo_engine.losses import ClippedSurrogate
+
+    constant = settings.loss_aggregation == "constant"  # Dr. GRPO divides by the generation limit
+    return (GroupNormalized(std_scope=settings.advantage_std_scope),
+            ClippedSurrogate(aggregation=settings.loss_aggregation,
+                             max_completion_tokens=settings.max_completion_tokens if constant else None))
 
 
 def cache_dir() -> Path:
@@ -109,8 +128,9 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
     )
     memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size,
                         merge_lora_for_sampling=s.merge_lora_for_sampling)
+    advantage, loss = recipe_components(s)
     trainer = GRPOTrainer(model, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
-                          template=template)
+                          template=template, advantage=advantage, loss=loss)
     history = trainer.train()
     after = accuracy(trainer.model)
     plot_reward_curve(history, out / "reward_curve.png", before=before, after=after)

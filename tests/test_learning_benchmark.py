@@ -120,3 +120,5 @@ def test_defaults_mode_trains_ours_with_its_own_batch_shape(tiny_folder, tmp_pat
     assert (settings["prompts_per_step"], settings["group_size"]) == (demo.prompts_per_step, demo.group_size)
     assert settings["max_completion_tokens"] == demo.max_completion_tokens
     assert settings["lr_schedule"] == demo.lr_schedule
+    assert settings["aggregation"] == demo.loss_aggregation  # the recipe's loss and advantage
+    assert settings["advantage"] == learning._advantage(demo.advantage_std_scope, 1e-6)

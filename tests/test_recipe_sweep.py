@@ -121,6 +121,7 @@ def test_a_dynamic_sampling_variant_builds_the_filter(tiny_folder, monkeypatch):
 def test_advantage_and_loss_variants_build_those_components(tiny_folder, monkeypatch):
     import grpo_engine
     from grpo_engine.advantages import RLOO, GroupNormalized
+    from grpo_engine.demo import DemoSettings, recipe_components
     from grpo_engine.losses import ClippedSurrogate
 
     built = []
@@ -138,7 +139,8 @@ def test_advantage_and_loss_variants_build_those_components(tiny_folder, monkeyp
     recipe_sweep.run_variant({**small, "advantage": {"name": "RLOO"}}, steps=1, eval_every=1,
                              model=str(tiny_folder), threads=1)
     dr_grpo_loss = ClippedSurrogate(aggregation="constant", max_completion_tokens=4)
-    assert built == [(GroupNormalized(std_scope="none"), dr_grpo_loss), (RLOO(), None)]
+    recipe_loss = recipe_components(DemoSettings(**small))[1]
+    assert built == [(GroupNormalized(std_scope="none"), dr_grpo_loss), (RLOO(), recipe_loss)]
 
 
 @pytest.mark.parametrize("name", ["GroupNormalised", "zero_std_fraction", None])
