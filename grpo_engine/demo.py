@@ -44,8 +44,8 @@ class DemoSettings:
     lora_r: int = 16
     merge_lora_for_sampling: bool = True  # a MemoryPlan field: sample with the adapters merged (faster)
     micro_batch_size: int = 16
-    advantage_std_scope: str = "group"  # GroupNormalized(std_scope=...): "group" (GRPO), "batch", "none" (Dr. GRPO)
-    loss_aggregation: str = "sequence"  # ClippedSurrogate(aggregation=...): "sequence", "token", "constant" (Dr. GRPO)
+    advantage_std_scope: str = "none"  # GroupNormalized(std_scope=...): "group" (GRPO), "batch", "none" (Dr. GRPO)
+    loss_aggregation: str = "constant"  # ClippedSurrogate(aggregation=...): "sequence", "token", "constant" (Dr. GRPO)
     instruction: str = " Reply with only the final number."
     seed: int = 0
     output_dir: str = "runs/demo"
