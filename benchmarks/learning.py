@@ -55,9 +55,10 @@ mapping). The workers read back what each engine holds and the parent fails when
   ``--max-completion-tokens`` for both engines; ``max_train_seconds`` is the budget, so a
   ``linear`` / ``cosine`` schedule decays over it: the trainer's clock, the time spent in
   ``step()``, is what this benchmark counts) and ``GRPOConfig`` / component defaults for
-  everything else (AdamW betas 0.9 / 0.99, clipping 1.0, ``ClippedSurrogate()`` = per-sequence
-  mean, clip 0.2, no KL, ``GroupNormalized()`` with eps 1e-6, the prompt shared across its group
-  in sampling and in the training pass).
+  everything else (AdamW betas 0.9 / 0.99, clipping 1.0, the recipe's advantage and loss
+  (``grpo_engine.demo.recipe_components``: Dr. GRPO's group mean without the std, tokens summed over
+  sequences x 16), clip 0.2, no KL, the prompt shared across its group in sampling and in the
+  training pass).
 - TRL: ``GRPOConfig()`` defaults except what the task fixes (``num_generations=G``, B*G
   completions per generation and per optimizer step, ``max_completion_length``, the same LoRA
   ``peft_config``) and lr 1e-4 (the issue's measured TRL recipe; TRL's default 1e-6 is meant for
