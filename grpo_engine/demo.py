@@ -17,10 +17,15 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpo_engine.checkpoint import save_pretrained_atomic
+
+if TYPE_CHECKING:
+    from grpo_engine.advantages import GroupNormalized
+    from grpo_engine.losses import ClippedSurrogate
 
 __all__ = ["DemoSettings", "recipe_components", "smollm2_folder", "run_demo"]
 
@@ -51,7 +56,7 @@ class DemoSettings:
     output_dir: str = "runs/demo"
 
 
-def recipe_components(settings: DemoSettings) -> tuple:
+def recipe_components(settings: DemoSettings) -> tuple[GroupNormalized, ClippedSurrogate]:
     """The recipe's advantage function and loss: ``(GroupNormalized, ClippedSurrogate)``.
 
     Example:
