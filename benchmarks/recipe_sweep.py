@@ -13,9 +13,9 @@ split), ``dynamic_sampling`` (a dict of ``DynamicSampling`` arguments, e.g.
 batch), ``advantage`` (the name of a class in ``grpo_engine.advantages`` and its arguments, e.g.
 ``{"name": "GroupNormalized", "std_scope": "none"}``) and ``loss`` (``ClippedSurrogate``
 arguments, e.g. ``{"aggregation": "token"}``); both win over the recipe's ``advantage_std_scope``
-and ``loss_aggregation``. A ``lora_r`` of 0
-trains every weight (no adapter). The recipe's ``train_seconds`` does not apply (a step budget;
-a ``linear`` / ``cosine`` ``lr_schedule`` decays over ``--steps``).
+and ``loss_aggregation``. A ``lora_r`` of 0 trains every weight (no adapter). The recipe's
+``train_seconds`` does not apply (a step budget; a ``linear`` / ``cosine`` ``lr_schedule`` decays
+over ``--steps``).
 
 ``--eval-problems N`` evaluates on the first N problems of a test split drawn with the same seed;
 its first ``num_test`` (64) problems are exactly the demo's held-out set (``arithmetic_task``
