@@ -8,6 +8,7 @@ training wall time) and ``report.json`` to ``--out``, and prints one JSON object
 
     python benchmarks/learning.py                       # identical settings, 480 s each, SmolLM2-135M
     python benchmarks/learning.py --mode defaults --seeds 2 --budget-s 300
+    python benchmarks/learning.py --mode defaults --first-seed 2 --seeds 1   # seed 2 alone, later
 
 The task (exactly the demo's, ``grpo_engine.demo``): ``arithmetic_task(num_train, num_test,
 seed=task_seed)`` (two-digit ``a + b`` / ``a - b``, train and test drawn without replacement from
@@ -509,12 +510,13 @@ def plot(runs: dict[str, list[dict]], path: Path, *, title: str, budget_s: float
     plt.close(fig)
 
 
-def compare(spec: Spec, seeds: int, out: Path) -> dict:
-    """Runs the alternating workers; returns the full report (also written to ``out/report.json``)."""
+def compare(spec: Spec, seeds: int, out: Path, first_seed: int = 0) -> dict:
+    """Runs the alternating workers for seeds ``first_seed`` .. ``first_seed + seeds - 1``; returns the full
+    report (also written to ``out/report.json``)."""
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
     errors: list[str] = []
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         order = ENGINES if seed % 2 == 0 else ENGINES[::-1]
         for engine in order:
             print(f"[learning] seed {seed}: {engine} ({spec.mode}, {spec.budget_s:g} s)", file=sys.stderr, flush=True)
@@ -529,7 +531,7 @@ def compare(spec: Spec, seeds: int, out: Path) -> dict:
     problems, warnings = _checks(spec, {"ours": [a for a, _ in paired], "trl": [b for _, b in paired]})
     ours, trl = _engine_summary(runs["ours"]), _engine_summary(runs["trl"])
     summary = {"task": _task_name(spec), "budget_s": spec.budget_s, "ours": ours, "trl": trl,
-               "delta_after_pts": _mean(deltas), "mode": spec.mode, "seeds": seeds}
+               "delta_after_pts": _mean(deltas), "mode": spec.mode, "seeds": seeds, "first_seed": first_seed}
     if seeds > 1:
         summary.update(delta_after_pts_runs=deltas, delta_after_pts_std=_std(deltas))
     summary.update(problems=problems, warnings=warnings, errors=errors, out=str(out))
@@ -545,7 +547,9 @@ def compare(spec: Spec, seeds: int, out: Path) -> dict:
 
 
 def _table(s: dict) -> str:
-    lines = [f"task: {s['task']}", f"mode {s['mode']}, budget {s['budget_s']:g} s of training, {s['seeds']} seed(s)",
+    lines = [f"task: {s['task']}",
+             f"mode {s['mode']}, budget {s['budget_s']:g} s of training, "
+             f"{s['seeds']} seed(s) from seed {s['first_seed']}",
              f"{'':6}{'before':>8}{'after':>8}{'steps':>8}{'step s':>9}"]
     for engine in ENGINES:
         e = s[engine]
@@ -562,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=480.0, help="training wall time per engine (default 480)")
     parser.add_argument("--mode", choices=("identical", "defaults"), default="identical")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, each runs both engines (default 1)")
+    parser.add_argument("--seeds", type=int, default=1, help="how many seeds, each runs both engines (default 1)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0): --first-seed 2 "
+                        "--seeds 1 runs seed 2 alone, as the third of --seeds 3 would (same engine order)")
     parser.add_argument("--model", help="a transformers folder (default: the demo's SmolLM2-135M-Instruct)")
     parser.add_argument("--num-train", type=int, default=1000)
     parser.add_argument("--num-test", type=int, default=64)
@@ -583,8 +589,10 @@ def main(argv: list[str] | None = None) -> int:
         result = worker(args.worker, Spec(**json.loads(args.spec)))
         args.result.write_text(json.dumps(result))
         return 0
-    if args.seeds < 1 or args.budget_s <= 0 or not 1 <= args.eval_subset <= args.num_test:
-        parser.error("need --seeds >= 1, --budget-s > 0 and 1 <= --eval-subset <= --num-test")
+    if args.seeds < 1 or args.first_seed < 0 or args.budget_s <= 0 or not 1 <= args.eval_subset <= args.num_test:
+        parser.error(f"got --seeds {args.seeds}, --first-seed {args.first_seed}, --budget-s {args.budget_s:g}, "
+                     f"--eval-subset {args.eval_subset}, --num-test {args.num_test}: need --seeds >= 1, "
+                     "--first-seed >= 0, --budget-s > 0 and 1 <= --eval-subset <= --num-test")
     if args.model is None:
         from grpo_engine.demo import smollm2_folder
 
@@ -595,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_completion_tokens=args.max_completion_tokens, micro_batch_size=args.micro_batch_size,
                 device=args.device)
     out = args.out or ROOT / "runs" / "learning" / time.strftime("%Y%m%d-%H%M%S")
-    summary = compare(spec, args.seeds, out)
+    summary = compare(spec, args.seeds, out, first_seed=args.first_seed)
     print(_table(summary), flush=True)
     print(json.dumps(summary), flush=True)
     return 1 if summary["problems"] or summary["errors"] else 0

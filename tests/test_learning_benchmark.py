@@ -122,3 +122,31 @@ def test_defaults_mode_trains_ours_with_its_own_batch_shape(tiny_folder, tmp_pat
     assert settings["lr_schedule"] == demo.lr_schedule
     assert settings["aggregation"] == demo.loss_aggregation  # the recipe's loss and advantage
     assert settings["advantage"] == learning._advantage(demo.advantage_std_scope, 1e-6)
+
+
+def test_first_seed_runs_the_later_seeds_in_the_alternating_order(tmp_path, monkeypatch):
+    """--first-seed 2 --seeds 2 runs seeds 2 and 3 only, each in the order a full run gives it."""
+    calls = []
+
+    def fake_worker(engine, spec, out):
+        calls.append((spec.seed, engine))
+        return {"engine": engine, "seed": spec.seed, "before": 0.25, "after": 0.5 if engine == "ours" else 0.25,
+                "steps": 3, "step_s_mean": 1.0, "train_s": 3.0, "prompt_ids": None,
+                "settings": {"prompts_per_step": 2, "group_size": 2}}, None
+
+    monkeypatch.setattr(learning, "_run_worker", fake_worker)
+    monkeypatch.setattr(learning, "plot", lambda *args, **kwargs: None)
+    spec = learning.Spec(model="unused", mode="defaults", budget_s=1.0, num_train=20, num_test=4, eval_subset=2,
+                         eval_every_s=0, prompts_per_step=2, group_size=2, max_completion_tokens=4)
+    summary = learning.compare(spec, 2, tmp_path, first_seed=2)
+    assert calls == [(2, "ours"), (2, "trl"), (3, "trl"), (3, "ours")]
+    assert summary["ours"]["seeds"] == [2, 3] and summary["first_seed"] == 2 and summary["seeds"] == 2
+    assert summary["delta_after_pts_runs"] == [25.0, 25.0]
+    assert "2 seed(s) from seed 2" in learning._table(summary)
+
+
+def test_bad_first_seed_is_refused_with_the_rule(capsys):
+    with pytest.raises(SystemExit):
+        learning.main(["--first-seed", "-1", "--model", "unused"])
+    err = capsys.readouterr().err
+    assert "--first-seed -1" in err and "--first-seed >= 0" in err
