@@ -41,8 +41,9 @@ from torch import nn
 from grpo_engine.data.templates import PromptTemplate, default_template
 from grpo_engine.protocols import RewardFn
 from grpo_engine.rewards.math import answers_equal, final_answer
-from grpo_engine.sampling.decode import completion_mask_from_ids, decode, is_decoder_lm
-from grpo_engine.sampling.hf import HFSampler
+from grpo_engine.sampling.decode import TokenDraw, completion_mask_from_ids, decode, is_decoder_lm
+from grpo_engine.sampling.hf import HFSampler, resolve_decoding
+from grpo_engine.sampling.static import decode_static
 from grpo_engine.types import Prompt
 
 __all__ = ["EvalItem", "EvalReport", "EvalResult", "evaluate", "final_answer", "greedy_accuracy",
@@ -292,8 +293,13 @@ def _greedy_completions(model: nn.Module, encoder: HFSampler, prompts: Sequence[
     model.eval()
     try:
         if is_decoder_lm(model):
-            completion, _ = decode(model, ids, mask, repeats=1, max_new_tokens=max_new_tokens, eos_ids=encoder.eos_ids,
-                                   pad_id=encoder.pad_id, choose=lambda logits: (logits.argmax(-1), None))
+            path = resolve_decoding(encoder.decoding, model, device)
+            kwargs = dict(repeats=1, max_new_tokens=max_new_tokens, eos_ids=encoder.eos_ids, pad_id=encoder.pad_id,
+                          draw=TokenDraw(greedy=True, logprobs=False))
+            if path == "dynamic":
+                completion, _ = decode(model, ids, mask, **kwargs)
+            else:
+                completion, _ = decode_static(model, ids, mask, mode="eager" if path == "static" else path, **kwargs)
         else:
             out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=False,
                                  max_new_tokens=max_new_tokens, eos_token_id=encoder.eos_ids,

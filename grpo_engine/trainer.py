@@ -129,7 +129,7 @@ class GRPOTrainer:
             self.model, tokenizer, template=template, max_prompt_tokens=config.max_prompt_tokens,
             max_completion_tokens=config.max_completion_tokens, temperature=config.temperature,
             top_p=config.top_p, top_k=config.top_k, share_prompt=memory.share_prompt,
-            merge_lora=memory.merge_lora_for_sampling,
+            merge_lora=memory.merge_lora_for_sampling, decoding=memory.decoding,
             return_logprobs=any(getattr(c, "requires_sampler_logprobs", False) for c in (loss, entropy)),
         )
         self.advantage = advantage if advantage is not None else GroupNormalized()

@@ -8,7 +8,7 @@ from torch import nn
 from grpo_engine.data import PlainTemplate
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.sampling import decode as decode_module
-from grpo_engine.sampling.decode import BLOCK, decode, inverse_cdf, sample_categorical
+from grpo_engine.sampling.decode import BLOCK, TokenDraw, decode, inverse_cdf, sample_categorical
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.types import Prompt
 
@@ -92,8 +92,7 @@ def test_top_k_and_top_p_draw_only_the_kept_ids_and_report_untruncated_logprobs(
 # -- the loop -------------------------------------------------------------------------------------
 
 
-def greedy(logits):
-    return logits.argmax(-1), None
+GREEDY = TokenDraw(greedy=True, logprobs=False)
 
 
 def prompts_and_eos(model, tok):
@@ -109,7 +108,7 @@ def test_greedy_decode_equals_generate_with_rows_leaving_at_their_eos():
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     ids, mask, eos = prompts_and_eos(model, tok)
-    out, logprobs = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
+    out, logprobs = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
     reference = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=False, max_new_tokens=10,
                                eos_token_id=eos, pad_token_id=0)[:, ids.shape[1]:]
     assert logprobs is None and out.shape == (3, 10)
@@ -123,10 +122,10 @@ def test_decode_without_row_removal_gives_the_same_ids(monkeypatch):
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     ids, mask, eos = prompts_and_eos(model, tok)
-    pruned, _ = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
+    pruned, _ = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
     supports = decode_module._supports
     monkeypatch.setattr(decode_module, "_supports", lambda cache, m: m != "batch_select_indices" and supports(cache, m))
-    kept, _ = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
+    kept, _ = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
     assert torch.equal(pruned, kept)
 
 
@@ -134,9 +133,9 @@ def test_a_shared_prefill_equals_one_prefill_per_row():
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     ids, mask, eos = prompts_and_eos(model, tok)
-    shared, _ = decode(model, ids, mask, repeats=3, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
+    shared, _ = decode(model, ids, mask, repeats=3, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
     rows, _ = decode(model, ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0), repeats=1, max_new_tokens=10,
-                     eos_ids=[eos], pad_id=0, choose=greedy)
+                     eos_ids=[eos], pad_id=0, draw=GREEDY)
     assert torch.equal(shared, rows)
     assert torch.equal(shared[0], shared[2]) and not torch.equal(shared[0], shared[3])
 
@@ -171,7 +170,7 @@ def test_a_cache_that_cannot_repeat_rows_gets_one_prefill_per_row(monkeypatch):
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     ids, mask, eos = prompts_and_eos(model, tok)
-    shared, _ = decode(model, ids, mask, repeats=2, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
+    shared, _ = decode(model, ids, mask, repeats=2, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
     supports, calls = decode_module._supports, []
 
     def no_repeat(cache, method):
@@ -179,7 +178,7 @@ def test_a_cache_that_cannot_repeat_rows_gets_one_prefill_per_row(monkeypatch):
         return method != "batch_repeat_interleave" and supports(cache, method)
 
     monkeypatch.setattr(decode_module, "_supports", no_repeat)
-    fallback, _ = decode(model, ids, mask, repeats=2, max_new_tokens=10, eos_ids=[eos], pad_id=0, choose=greedy)
+    fallback, _ = decode(model, ids, mask, repeats=2, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
     assert "batch_repeat_interleave" in calls
     assert torch.equal(shared, fallback)
 
@@ -188,7 +187,7 @@ def test_a_one_token_prompt_decodes_without_a_prefill():
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     ids, mask = torch.tensor([[7], [12]]), torch.ones(2, 1, dtype=torch.bool)
-    out, _ = decode(model, ids, mask, repeats=2, max_new_tokens=6, eos_ids=[1], pad_id=0, choose=greedy)
+    out, _ = decode(model, ids, mask, repeats=2, max_new_tokens=6, eos_ids=[1], pad_id=0, draw=GREEDY)
     reference = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=False, max_new_tokens=6,
                                eos_token_id=1, pad_token_id=0)[:, 1:]
     assert torch.equal(out[::2, :reference.shape[1]], reference) and torch.equal(out[::2], out[1::2])

@@ -22,6 +22,8 @@ optimizer. Nothing in the step loop branches on it.
 - ``merge_lora_for_sampling``: sample with each LoRA delta merged into a temporary copy of its base
   weight (one matmul per layer instead of three; float32 base weights, no quantization): faster
   decoding for one copy of the adapted weights while sampling.
+- ``decoding``: the sampler's decoding path (``grpo_engine.sampling.hf.resolve_decoding``): ``auto``
+  (CUDA graph on a GPU, the dynamic loop on the CPU), ``dynamic``, ``static``, ``compiled``, ``cuda_graph``.
 - ``micro_batch_size``: completions per forward/backward; the step's gradient is accumulated over
   ``ceil(completions_per_step / micro_batch_size)`` micro-batches and equals the one-batch gradient.
 - ``dtype``: the dtype of the frozen base weights (LoRA adapters stay float32).
@@ -90,6 +92,10 @@ class MemoryPlan(FrozenModel):
     merge_lora_for_sampling: bool = Field(
         False, description="Sample with the LoRA deltas merged into a temporary copy of the adapted weights: "
         "faster decoding for one copy of those weights while sampling (float32 base weights, no quantization)."
+    )
+    decoding: Literal["auto", "dynamic", "static", "compiled", "cuda_graph"] = Field(
+        "auto", description="Sampling's decoding path: auto (a CUDA graph over a static KV cache on a GPU, the "
+        "dynamic loop that drops finished rows on the CPU), dynamic, static, compiled (torch.compile) or cuda_graph."
     )
     micro_batch_size: int = Field(8, description="Completions per forward/backward (gradient accumulation).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(

@@ -1,21 +1,26 @@
-"""The decoding loop of HFSampler and greedy evaluation, for transformers causal LMs.
+"""The dynamic decoding loop of HFSampler and greedy evaluation, and the token draw both decoding paths share.
 
 - One forward per new token, over the rows still running: a row that emits an EOS token leaves
   the batch (its KV-cache rows are dropped), so a finished completion costs nothing more. With
-  ``generate`` every row runs until the longest one ends.
+  ``generate`` every row runs until the longest one ends. (The fixed-shape path for GPUs, a static
+  KV cache and a CUDA graph, is :mod:`grpo_engine.sampling.static`.)
 - The prompt's KV cache is filled once per distinct prompt and repeated across its group
   (``repeats``); the last prompt token is the first token of the loop.
-- :func:`sample_categorical` draws a token exactly from the categorical distribution by inverse
-  CDF: one uniform picks a block of 256 token ids by its probability mass, a second picks the id
-  inside the block. Every sum is relative to its own block, so a token's probability keeps its
-  float32 precision however small it is, and an id of probability 0 is never drawn. It needs two
-  random numbers per row instead of the V exponentials of ``torch.multinomial`` (33 ms per
-  32 x 49,152 draw on a 2-core CPU, against 1 ms).
+- :class:`TokenDraw` turns one step's logits into tokens: temperature, then top-k / top-p, then
+  :func:`categorical`, an exact draw from the categorical distribution by inverse CDF. One uniform
+  picks a block of 256 token ids by its probability mass, a second picks the id inside the block.
+  Every sum is relative to its own block, so a token's probability keeps its float32 precision
+  however small it is, and an id of probability 0 is never drawn. It needs two uniforms per row
+  instead of the V exponentials of ``torch.multinomial`` (33 ms per 32 x 49,152 draw on a 2-core
+  CPU, against 1 ms), and it has fixed shapes and no host synchronisation, so it can run inside a
+  CUDA graph.
+- The uniforms of a step are drawn for every row of the batch, running or not, so the dynamic loop
+  and the static path consume the random stream identically and draw the same tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +28,13 @@ from torch import Tensor, nn
 
 from grpo_engine.logprobs import kv_cache, position_ids_from_mask
 
-__all__ = ["sample_categorical", "inverse_cdf", "decode", "is_decoder_lm", "completion_mask_from_ids"]
+__all__ = ["TokenDraw", "categorical", "sample_categorical", "inverse_cdf", "decode", "is_decoder_lm",
+           "completion_mask_from_ids", "draw_uniforms", "BAD_DISTRIBUTION"]
 
 BLOCK = 256  # token ids per block of the two-level draw
-
-# logits [n, V] -> (token ids [n], their log-probs [n] or None)
-Choose = Callable[[Tensor], tuple[Tensor, Tensor | None]]
+BAD_DISTRIBUTION = ("sampling got a row of probabilities that sums to zero or holds NaN/inf: the model's logits hold "
+                    "NaN or inf, or top-k / top-p removed every token; check the model's outputs (e.g. an fp16 "
+                    "overflow) and the sampling settings")
 
 
 def inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
@@ -44,25 +50,87 @@ def inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, target).squeeze(-1)
 
 
-def sample_categorical(probs: Tensor) -> Tensor:
-    """One id [n] drawn from each row of ``probs`` [n, V] (non-negative; rows need not sum to 1).
+def draw_uniforms(rows: int, device: torch.device | str) -> Tensor:
+    """[rows, 2] float64 uniforms in (0, 1]: the random input of one :func:`categorical` draw per row."""
+    return 1.0 - torch.rand(rows, 2, dtype=torch.float64, device=device)
 
-    Raises:
-        ValueError: a row sums to zero, or holds NaN or infinity.
+
+def categorical(probs: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """One id [n] per row of ``probs`` [n, V] (non-negative; rows need not sum to 1) from the
+    uniforms ``u`` [n, 2], and whether each row was a distribution [n] (a row that sums to zero or
+    holds NaN / inf gets an arbitrary id and False). No host synchronisation.
+
+    Example:
+        >>> categorical(torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 0.0]]), torch.full((2, 2), 0.5))
+        (tensor([1, 0]), tensor([True, True]))
     """
     n, vocab = probs.shape
     pad = (-vocab) % BLOCK
     blocks = (F.pad(probs, (0, pad)) if pad else probs).view(n, -1, BLOCK)  # padding has weight 0
     mass = blocks.sum(-1)  # [n, V / BLOCK]
     total = mass.sum(-1)
-    if not (torch.isfinite(total) & (total > 0)).all():
-        raise ValueError("sampling got a row of probabilities that sums to zero or holds NaN/inf: the model's "
-                         "logits hold NaN or inf, or top-k / top-p removed every token; check the model's "
-                         "outputs (e.g. an fp16 overflow) and the sampling settings")
-    u = 1.0 - torch.rand(n, 2, dtype=torch.float64, device=probs.device)  # in (0, 1]
-    block = inverse_cdf(mass, u[:, 0])
+    ok = torch.isfinite(total) & (total > 0)
+    block = inverse_cdf(mass, u[:, 0]).clamp(max=mass.shape[1] - 1)  # clamped: a bad row must not index outside
     inner = blocks[torch.arange(n, device=probs.device), block]  # [n, BLOCK]
-    return block * BLOCK + inverse_cdf(inner, u[:, 1])
+    return (block * BLOCK + inverse_cdf(inner, u[:, 1])).clamp(max=vocab - 1), ok
+
+
+def sample_categorical(probs: Tensor) -> Tensor:
+    """One id [n] drawn from each row of ``probs`` [n, V] (non-negative; rows need not sum to 1).
+
+    Raises:
+        ValueError: a row sums to zero, or holds NaN or infinity.
+    """
+    ids, ok = categorical(probs, draw_uniforms(probs.shape[0], probs.device))
+    if not ok.all():
+        raise ValueError(BAD_DISTRIBUTION)
+    return ids
+
+
+class TokenDraw:
+    """Chooses one token per row from a step's logits: temperature, then top-k / top-p, then an
+    exact categorical draw (``greedy``: the argmax). The log-prob it reports is the drawn token's
+    under the temperature-scaled distribution before top-k / top-p, the quantity the trainer computes.
+
+    Args:
+        temperature: logits are divided by it.
+        top_k, top_p: truncation (0 and 1.0 are off); transformers' warpers, applied in that order.
+        greedy: take the argmax instead of drawing (uniforms are then ignored).
+        logprobs: also report the drawn tokens' log-probs (one log-softmax per step).
+
+    Example:
+        >>> token, logprob, ok = TokenDraw(greedy=True)(torch.tensor([[0.0, 2.0, 1.0]]), None)
+        >>> token.tolist(), ok.tolist()
+        ([1], [True])
+    """
+
+    def __init__(self, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                 logprobs: bool = True) -> None:
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        self.temperature, self.greedy, self.logprobs = temperature, greedy, logprobs
+        self.warpers = ([TopKLogitsWarper(top_k)] if top_k > 0 else []) + \
+                       ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
+
+    @property
+    def needs_uniforms(self) -> bool:
+        return not self.greedy
+
+    def __call__(self, logits: Tensor, u: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+        """(token ids [n], their log-probs [n] or None, whether each row was a distribution [n])
+        from ``logits`` [n, V] and uniforms ``u`` [n, 2]."""
+        scores = logits.float() / self.temperature
+        logprobs = torch.log_softmax(scores, dim=-1) if self.logprobs else None
+        if self.greedy:
+            token, ok = scores.argmax(-1), torch.isfinite(scores).all(-1)
+        else:
+            for warper in self.warpers:  # the warpers read only the scores
+                scores = warper(None, scores)
+            probs = logprobs.exp() if logprobs is not None and not self.warpers else torch.softmax(scores, dim=-1)
+            token, ok = categorical(probs, u)
+        if logprobs is None:
+            return token, None, ok
+        return token, logprobs.gather(-1, token[:, None]).squeeze(-1), ok
 
 
 def is_decoder_lm(model: nn.Module) -> bool:
@@ -97,13 +165,16 @@ def _prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int) -> dict:
 
 @torch.no_grad()
 def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
-           eos_ids: Sequence[int], pad_id: int, choose: Choose) -> tuple[Tensor, Tensor | None]:
+           eos_ids: Sequence[int], pad_id: int, draw: TokenDraw) -> tuple[Tensor, Tensor | None]:
     """Completions of the left-padded prompts ``ids`` / ``mask`` [B, P], each repeated ``repeats``
-    times (rows ``b*repeats ..`` belong to prompt b), one token per step chosen by ``choose``.
+    times (rows ``b*repeats ..`` belong to prompt b), one token per step chosen by ``draw``.
 
     Returns:
         ids [B*repeats, C] (``pad_id`` after a row's EOS token, which is kept) and the log-probs
-        ``choose`` reported [B*repeats, C] (0 after the EOS), or None when it reports none.
+        ``draw`` reported [B*repeats, C] (0 after the EOS), or None when it reports none.
+
+    Raises:
+        ValueError: a step's logits were not a distribution (NaN / inf, or top-k / top-p kept nothing).
     """
     n = ids.shape[0] * repeats
     device = ids.device
@@ -120,7 +191,10 @@ def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new
     for t in range(max_new_tokens):
         out = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None], use_cache=True,
                     logits_to_keep=1, **cache)
-        token, logprobs = choose(out.logits[:, -1])
+        u = draw_uniforms(n, device)[rows] if draw.needs_uniforms else None  # every row's, as the static path
+        token, logprobs, ok = draw(out.logits[:, -1], u)
+        if not ok.all():
+            raise ValueError(BAD_DISTRIBUTION)
         out_ids[rows, t] = token
         if logprobs is not None:
             if out_logprobs is None:

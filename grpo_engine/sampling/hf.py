@@ -5,9 +5,13 @@
 - The returned ids are exactly the sampled ids (never decoded and re-tokenised). A completion
   ends at its first EOS token (kept, and counted in the loss) or is truncated at
   ``max_completion_tokens``.
-- A transformers causal LM runs our decoding loop (:mod:`grpo_engine.sampling.decode`): a row
-  leaves the batch at its EOS token, and tokens are drawn exactly by a two-level inverse CDF. Any
-  other model is sampled with its own ``generate()``.
+- A transformers causal LM runs one of our two decoding paths, and tokens are drawn exactly by a
+  two-level inverse CDF. ``decoding="dynamic"`` (:mod:`grpo_engine.sampling.decode`): a row leaves
+  the batch at its EOS token. ``"static"``, ``"compiled"``, ``"cuda_graph"``
+  (:mod:`grpo_engine.sampling.static`): a static KV cache and fixed-shape steps, run as Python,
+  through ``torch.compile``, or replayed as a CUDA graph. ``"auto"`` (the default) takes the path
+  measured faster on the device: ``cuda_graph`` on a GPU, ``dynamic`` on the CPU
+  (docs/benchmarks.md). Any other model is sampled with its own ``generate()``.
 - The prompt is encoded once per group (``share_prompt``): one forward over the B distinct prompts
   fills a KV cache that is repeated G times, and decoding continues from it, so the prompt
   prefill costs B rows instead of B*G.
@@ -24,14 +28,39 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from grpo_engine.data.templates import PromptTemplate, default_template
-from grpo_engine.sampling.decode import completion_mask_from_ids, decode, is_decoder_lm, sample_categorical
+from grpo_engine.sampling.decode import TokenDraw, completion_mask_from_ids, decode, is_decoder_lm
 from grpo_engine.sampling.merge import check_mergeable, merged_lora
+from grpo_engine.sampling.static import decode_static, supports_static
 from grpo_engine.types import Prompt, RolloutBatch
 
-__all__ = ["HFSampler", "eos_token_ids"]
+__all__ = ["HFSampler", "eos_token_ids", "DECODING_PATHS", "resolve_decoding"]
+
+DECODING_PATHS = ("auto", "dynamic", "static", "compiled", "cuda_graph")
+
+
+def resolve_decoding(decoding: str, model: nn.Module, device: torch.device) -> str:
+    """The decoding path to run: ``decoding`` itself, or for ``"auto"`` the one measured faster on
+    ``device`` (CUDA: ``cuda_graph``; CPU: ``dynamic``); ``dynamic`` where the static path cannot run
+    the model (:func:`~grpo_engine.sampling.static.supports_static`).
+
+    Raises:
+        ValueError: an explicit static path the model or device cannot run.
+    """
+    if decoding not in DECODING_PATHS:
+        raise ValueError(f"decoding={decoding!r} is not one of {', '.join(DECODING_PATHS)}; use 'auto'")
+    why = supports_static(model)
+    if decoding == "auto":
+        return "cuda_graph" if device.type == "cuda" and why is None else "dynamic"
+    if decoding != "dynamic" and why is not None:
+        raise ValueError(f"decoding={decoding!r} needs the static path, which cannot run this model: {why}; "
+                         "use decoding='dynamic' (or 'auto')")
+    if decoding == "cuda_graph" and device.type != "cuda":
+        raise ValueError(f"decoding='cuda_graph' needs a CUDA device, the model is on {device}; use 'static', "
+                         "'compiled' or 'auto'")
+    return decoding
 
 
 class _TemperatureRecorder(LogitsProcessor):
@@ -93,6 +122,8 @@ class HFSampler:
         merge_lora: sample with each LoRA delta merged into a temporary copy of its base weight
             (:func:`~grpo_engine.sampling.merge.merged_lora`): faster decoding for one copy of the
             adapted weights while sampling; float32 base weights only.
+        decoding: ``"auto"``, ``"dynamic"``, ``"static"``, ``"compiled"`` or ``"cuda_graph"`` (see
+            the module docstring and :func:`resolve_decoding`).
 
     Example:
         >>> # sampler = HFSampler(model, tokenizer, max_completion_tokens=64)
@@ -113,6 +144,7 @@ class HFSampler:
         return_logprobs: bool = True,
         share_prompt: bool = True,
         merge_lora: bool = False,
+        decoding: str = "auto",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -125,6 +157,9 @@ class HFSampler:
         self.return_logprobs = return_logprobs
         self.share_prompt = share_prompt
         self.merge_lora = merge_lora
+        if decoding not in DECODING_PATHS:
+            raise ValueError(f"decoding={decoding!r} is not one of {', '.join(DECODING_PATHS)}; use 'auto'")
+        self.decoding = decoding
         if merge_lora:
             check_mergeable(model)
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -163,12 +198,15 @@ class HFSampler:
             with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
                 if is_decoder_lm(self.model):
                     shared = self.share_prompt and group_size > 1
-                    warpers = self._warpers()  # built once per call, not at every token
-                    completion_ids, logprobs = decode(
-                        self.model, ids if shared else prompt_ids, mask if shared else prompt_mask,
-                        repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
-                        eos_ids=self.eos_ids, pad_id=self.pad_id,
-                        choose=lambda logits: self._choose(logits, warpers))
+                    path = resolve_decoding(self.decoding, self.model, device)
+                    args = (self.model, ids if shared else prompt_ids, mask if shared else prompt_mask)
+                    kwargs = dict(repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
+                                  eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw())
+                    if path == "dynamic":
+                        completion_ids, logprobs = decode(*args, **kwargs)
+                    else:
+                        completion_ids, logprobs = decode_static(
+                            *args, **kwargs, mode="eager" if path == "static" else path)
                 else:
                     completion_ids, logprobs = self._generate(prompt_ids, prompt_mask)
         finally:
@@ -185,26 +223,10 @@ class HFSampler:
             texts=texts, sampler_logprobs=logprobs,
         )
 
-    def _warpers(self) -> list[LogitsProcessor]:
-        warpers: list[LogitsProcessor] = []
-        if self.top_k > 0:
-            warpers.append(TopKLogitsWarper(self.top_k))
-        if self.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(self.top_p))
-        return warpers
-
-    def _choose(self, logits: Tensor, warpers: list[LogitsProcessor]) -> tuple[Tensor, Tensor | None]:
-        """Draws one token per row of ``logits`` [n, V]: temperature, then top-k / top-p; reports the
-        log-prob of the drawn token under the temperature-scaled distribution."""
-        scores = logits.float() / self.temperature
-        logprobs = torch.log_softmax(scores, dim=-1) if self.return_logprobs else None
-        for warper in warpers:  # the warpers read only the scores
-            scores = warper(None, scores)
-        token = sample_categorical(logprobs.exp() if logprobs is not None and not warpers
-                                   else torch.softmax(scores, dim=-1))
-        if logprobs is None:
-            return token, None
-        return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+    def token_draw(self) -> TokenDraw:
+        """The token draw of the current settings (the temperature may change between steps)."""
+        return TokenDraw(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                         logprobs=self.return_logprobs)
 
     def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor | None]:
         """Completion ids [N, C] and log-probs from the model's own ``generate()`` (a model that is not
@@ -216,5 +238,5 @@ class HFSampler:
         )
         sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                                         generation_config=config,
-                                        logits_processor=LogitsProcessorList([recorder, *self._warpers()]))
+                                        logits_processor=LogitsProcessorList([recorder, *self.token_draw().warpers]))
         return sequences[:, prompt_ids.shape[1]:], recorder.finish(sequences) if self.return_logprobs else None

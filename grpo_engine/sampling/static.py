@@ -1,0 +1,353 @@
+"""The fixed-shape decoding path: a static KV cache, one-token steps that never change shape, and on
+a GPU the step captured once as a CUDA graph and replayed.
+
+- The KV cache (:class:`StaticKVCache`) is preallocated for the whole batch, B*G rows x (P + C)
+  slots per layer (the prompt width P, the completion budget C), and written in place at a slot
+  index held in a device tensor; a row's keys are masked by a 4D attention mask kept in a buffer,
+  so transformers builds no mask and no shape depends on the step.
+- The prompt is prefilled once per distinct prompt (B rows) and the cache repeated G times.
+- A step (:meth:`StaticDecoder.step`) reads and writes only preallocated buffers: it feeds the
+  previous token, draws the next with :class:`~grpo_engine.sampling.decode.TokenDraw` (inverse CDF,
+  fixed shapes), writes it and its log-prob at column t, and keeps each row's EOS flag on the
+  device. A finished row stays in the batch: it keeps computing, and its tokens are replaced by
+  padding and its log-probs by 0. The host looks at the flags every ``check_every`` tokens only.
+- Each decoding step attends with :func:`grouped_attention`: the query heads that share a KV head
+  are one matrix product against that head's keys, so the cache is read once per step and never
+  expanded to every query head (transformers' sdpa path copies it to all heads when there is a mask).
+- ``mode``: ``"eager"`` runs the step as Python (the proof on the CPU: the same tokens as the
+  dynamic loop), ``"compiled"`` runs it through ``torch.compile`` (the uniforms are drawn outside, so
+  the random stream is the eager one), ``"cuda_graph"`` captures uniforms + step once per call as a
+  ``torch.cuda.CUDAGraph`` and replays it: one launch per token instead of hundreds.
+
+Needs a Llama / Mistral / Qwen2 / Qwen3-family decoder with full attention in ``sdpa`` or ``eager``
+mode (:func:`supports_static`); the sampler falls back to the dynamic loop otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from grpo_engine.logprobs import position_ids_from_mask
+from grpo_engine.sampling.decode import BAD_DISTRIBUTION, TokenDraw, draw_uniforms, is_decoder_lm
+
+__all__ = ["StaticKVCache", "StaticDecoder", "decode_static", "supports_static", "static_cache_bytes",
+           "grouped_attention"]
+
+Mode = Literal["eager", "compiled", "cuda_graph"]
+ATTENTION = "grpo_engine_grouped"  # the name grouped_attention is registered under in transformers
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # plain rotary attention, no logit soft-capping or sinks
+
+
+def grouped_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor, *,
+                      scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """Attention of ``query`` [n, h, q, d] over ``key`` / ``value`` [n, kv, W, d] (h a multiple of
+    kv) under a boolean ``attention_mask`` [n, 1, q, W] (True = attend), with the h / kv query heads
+    of a KV head stacked into one product, so the keys are read once and never repeated per head.
+    The softmax runs in float32. Returns [n, q, h, d] (transformers' attention-interface layout).
+    """
+    n, h, q, d = query.shape
+    kv, width = key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    grouped = query.reshape(n, kv, (h // kv) * q, d)  # head i uses KV head i // (h / kv)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).view(n, kv, h // kv, q, width).float() * scale
+    scores = scores.masked_fill(~attention_mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(n, kv, (h // kv) * q, width)
+    out = torch.matmul(probs, value)  # [n, kv, h/kv * q, d]
+    return out.view(n, h, q, d).transpose(1, 2), None
+
+
+@contextlib.contextmanager
+def _grouped_attention(model: nn.Module) -> Iterator[None]:
+    """Runs the block with the model's attention layers calling :func:`grouped_attention`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, grouped_attention)
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def supports_static(model: nn.Module) -> str | None:
+    """None when the static path can run ``model``, else why not (one phrase)."""
+    if not is_decoder_lm(model):
+        return "not a transformers causal LM"
+    config = model.config
+    if getattr(config, "model_type", None) not in FAMILIES:
+        return f"model type {getattr(config, 'model_type', None)!r} (the static path knows {', '.join(FAMILIES)})"
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation not in ("sdpa", "eager"):
+        return f"attention implementation {implementation!r} (needs 'sdpa' or 'eager': a 4D mask)"
+    layer_types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        return "sliding-window or non-attention layers"
+    return None
+
+
+def static_cache_bytes(model_config, rows: int, width: int, dtype: torch.dtype) -> int:
+    """Bytes of the static KV cache: ``rows`` x ``width`` slots x layers x (keys + values)."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return rows * width * model_config.num_hidden_layers * 2 * kv_heads * head_dim * element
+
+
+class StaticKVCache:
+    """Keys and values of every layer, each [rows, kv_heads, width, head_dim], allocated on the
+    first write and then written in place at ``slot`` ([1] long, on the device).
+
+    The model calls ``update(keys, values, layer_idx, ...)`` from its attention layers (the one
+    method of transformers' cache interface this path relies on) and attends over what it returns:
+    every slot, with the 4D mask deciding which count.
+    """
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.rows, self.width = rows, width
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == len(self.keys):  # first write of this layer: allocate it
+            shape = (self.rows, key_states.shape[1], self.width, key_states.shape[3])
+            self.keys.append(key_states.new_zeros(shape))
+            self.values.append(value_states.new_zeros(shape[:3] + (value_states.shape[3],)))
+        positions = self.slot if key_states.shape[2] == 1 else self.slot + torch.arange(
+            key_states.shape[2], device=self.slot.device)
+        # an index_put_ (not index_copy_): torch.compile keeps it in place instead of copying the whole cache
+        self.keys[layer_idx][:, :, positions] = key_states
+        self.values[layer_idx][:, :, positions] = value_states
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # older transformers ask; positions are always passed
+        return 0
+
+    def allocate(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Allocates every layer now (else the first write does), zeroed."""
+        shape = (self.rows, kv_heads, self.width, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.slot.device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.slot.device) for _ in range(layers)]
+
+    def repeated(self, repeats: int, width: int) -> StaticKVCache:
+        """A cache of ``rows * repeats`` rows and ``width`` slots holding this one's slots, each row
+        repeated ``repeats`` times (rows ``b*repeats ..`` copy row b)."""
+        out = StaticKVCache(self.rows * repeats, width, self.slot.device)
+        for source, target in ((self.keys, out.keys), (self.values, out.values)):
+            for layer in source:
+                full = layer.new_zeros((out.rows, layer.shape[1], width, layer.shape[3]))
+                full[:, :, :layer.shape[2]] = layer.repeat_interleave(repeats, 0)
+                target.append(full)
+        out.slot.fill_(self.width)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def _cache_keyword(model: nn.Module) -> dict[str, str]:
+    """The keyword the decoder takes its cache under (``cache`` since transformers 5.2x, else
+    ``past_key_values``), and whether it takes ``cache_position``."""
+    decoder = model.get_decoder()
+    params = inspect.signature(decoder.forward).parameters
+    return {"cache": "cache" if "cache" in params else "past_key_values",
+            "cache_position": "cache_position" if "cache_position" in params else ""}
+
+
+class StaticDecoder:
+    """The buffers and the one-token step of one static decoding call (see the module docstring).
+
+    Args:
+        model: the decoder LM (eval mode, no gradient).
+        ids, mask: [B, P] left-padded prompts.
+        repeats: completions per prompt (rows ``b*repeats ..`` belong to prompt b).
+        max_new_tokens: C, the completion budget.
+        eos_ids, pad_id: the ids that end a row, and the id written after its end.
+        draw: the token draw.
+    """
+
+    def __init__(self, model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
+                 eos_ids: Sequence[int], pad_id: int, draw: TokenDraw) -> None:
+        self.model, self.draw, self.pad_id = model, draw, pad_id
+        self.inputs = (ids, mask)
+        self.options = dict(repeats=repeats, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, draw=draw)
+        device = ids.device
+        b, p = ids.shape
+        n = b * repeats
+        self.rows, self.max_new_tokens = n, max_new_tokens
+        self.width = p + max_new_tokens  # slots 0 .. P-2: the prompt head; P-1+t: the token fed at step t
+        self.keywords = _cache_keyword(model)
+        self.eager_attention = (getattr(model.config, "_attn_implementation", None) or "eager") == "eager"
+        self.dtype = next(model.parameters()).dtype if self.eager_attention else torch.bool
+        # the prompt head (all tokens but the last), once per distinct prompt
+        head = StaticKVCache(b, max(p - 1, 0), device)
+        if p > 1:
+            head_mask = mask[:, :-1]
+            causal = torch.ones(p - 1, p - 1, dtype=torch.bool, device=device).tril()
+            # a query attends to earlier real tokens, and to itself (a padding query then stays finite)
+            allowed = (causal & head_mask[:, None, None, :]) | torch.eye(p - 1, dtype=torch.bool, device=device)
+            self._forward(ids[:, :-1], self._mask(allowed), position_ids_from_mask(head_mask), head,
+                          logits_to_keep=1)
+        self.cache = head.repeated(repeats, self.width)
+        if not self.cache.keys:  # one-token prompts: nothing prefilled; allocate before any step is traced
+            config = model.config
+            heads = config.num_attention_heads
+            self.cache.allocate(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
+                                getattr(config, "head_dim", None) or config.hidden_size // heads,
+                                model.get_input_embeddings().weight.dtype)
+        # the step's buffers
+        self.attention = torch.zeros(n, 1, 1, self.width, dtype=torch.bool, device=device)  # grouped_attention's
+        self.attention[:, 0, 0, :p - 1] = mask[:, :-1].repeat_interleave(repeats, 0)
+        self.token = ids[:, -1].repeat_interleave(repeats, 0).clone()  # [n]: fed at the next step
+        self.position = position_ids_from_mask(mask)[:, -1].repeat_interleave(repeats, 0).clone()  # [n]
+        self.t = torch.zeros(1, dtype=torch.long, device=device)  # the column the next token goes to
+        self.u = torch.ones(n, 2, dtype=torch.float64, device=device)
+        self.eos = torch.tensor(list(eos_ids), device=device)
+        self.done = torch.zeros(n, dtype=torch.bool, device=device)
+        self.bad = torch.zeros(n, dtype=torch.bool, device=device)  # a live row whose step was no distribution
+        self.ids = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device) if draw.logprobs else None
+
+    def _mask(self, allowed: Tensor) -> Tensor:
+        """The 4D mask the model's own attention takes: boolean for sdpa, additive (0 / min) for eager."""
+        if not self.eager_attention:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min)
+
+    def _forward(self, ids: Tensor, attention: Tensor, position: Tensor, cache: StaticKVCache, *,
+                 logits_to_keep: int) -> Tensor:
+        kwargs = {self.keywords["cache"]: cache}
+        if self.keywords["cache_position"]:  # transformers 4.x builds positions from it when asked
+            kwargs["cache_position"] = cache.slot + torch.arange(ids.shape[1], device=ids.device)
+        out = self.model(input_ids=ids, attention_mask=attention, position_ids=position, use_cache=True,
+                         logits_to_keep=logits_to_keep, **kwargs)
+        return out.logits[:, -1]
+
+    def restarted(self) -> StaticDecoder:
+        """A fresh decoder for the same call (after a failed capture)."""
+        return StaticDecoder(self.model, *self.inputs, **self.options)
+
+    def fill_uniforms(self) -> None:
+        """This step's uniforms for every row (inside the graph under ``cuda_graph``)."""
+        if self.draw.needs_uniforms:
+            self.u.copy_(draw_uniforms(self.rows, self.u.device))
+
+    def step(self) -> None:
+        """Feeds ``token`` at ``cache.slot``, draws the next token into column ``t``; every read and
+        write is a preallocated buffer, so the step can be captured and replayed. Runs inside
+        :func:`_grouped_attention`."""
+        slot = self.cache.slot
+        self.attention.index_fill_(3, slot, True)  # the fed token attends to itself
+        logits = self._forward(self.token[:, None], self.attention, self.position[:, None], self.cache,
+                               logits_to_keep=1)
+        token, logprob, ok = self.draw(logits, self.u)
+        live = ~self.done
+        self.bad |= live & ~ok
+        token = torch.where(live, token, self.pad_id)
+        self.ids.index_copy_(1, self.t, token[:, None])
+        if self.logprobs is not None:
+            self.logprobs.index_copy_(1, self.t, torch.where(live, logprob, 0.0)[:, None])
+        self.done |= torch.isin(token, self.eos)
+        self.token.copy_(token)
+        self.position.add_(1)
+        slot.add_(1)
+        self.t.add_(1)
+
+
+_COMPILED_STEP = None
+
+
+def _compiled_step():
+    global _COMPILED_STEP
+    if _COMPILED_STEP is None:
+        _COMPILED_STEP = torch.compile(StaticDecoder.step, dynamic=False)
+    return _COMPILED_STEP
+
+
+def _warm_up(decoder: StaticDecoder, steps: int = 2) -> None:
+    """Runs uniforms + step ``steps`` times and puts back every buffer the next step reads (the
+    writes to slot P-1 and column 0 are overwritten by the first real step)."""
+    start = {name: getattr(decoder, name).clone() for name in ("token", "position", "t", "done", "bad")}
+    slot = decoder.cache.slot.clone()
+    for _ in range(steps):
+        decoder.fill_uniforms()
+        decoder.step()
+        for name, value in start.items():
+            getattr(decoder, name).copy_(value)
+        decoder.cache.slot.copy_(slot)
+
+
+def _capture(decoder: StaticDecoder) -> torch.cuda.CUDAGraph:
+    """Warms the step up on a side stream (as CUDA-graph capture requires), then captures uniforms +
+    step as one CUDA graph; capturing records the kernels without running them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _warm_up(decoder)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.fill_uniforms()
+        decoder.step()
+    return graph
+
+
+@torch.no_grad()
+def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
+                  eos_ids: Sequence[int], pad_id: int, draw: TokenDraw, mode: Mode = "eager",
+                  check_every: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Completions of the left-padded prompts ``ids`` / ``mask`` [B, P], each repeated ``repeats``
+    times, on the static path; same contract as :func:`grpo_engine.sampling.decode.decode`.
+
+    Args:
+        mode: ``"eager"``, ``"compiled"`` (``torch.compile``) or ``"cuda_graph"`` (CUDA only; falls
+            back to eager with a warning when the step cannot be captured).
+        check_every: tokens between host checks of the EOS flags (default 16 on CUDA, 1 on the CPU,
+            where a check costs nothing and a finished batch should stop at once).
+
+    Raises:
+        ValueError: a step's logits were not a distribution (checked at the host checks).
+    """
+    if mode == "cuda_graph" and ids.device.type != "cuda":
+        raise ValueError(f"mode='cuda_graph' needs the model on a CUDA device, not {ids.device}; use 'eager' or "
+                         "'compiled' on the CPU")
+    check_every = check_every or (16 if ids.device.type == "cuda" else 1)
+    decoder = StaticDecoder(model, ids, mask, repeats=repeats, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                            pad_id=pad_id, draw=draw)
+    graph = None
+    if mode == "cuda_graph":
+        try:
+            with _grouped_attention(model):
+                graph = _capture(decoder)
+        except Exception as error:  # a model whose step cannot be captured still samples
+            warnings.warn(f"could not capture the decoding step as a CUDA graph ({type(error).__name__}: "
+                          f"{str(error)[:300]}); decoding without it", stacklevel=2)
+            torch.cuda.synchronize()
+            decoder = decoder.restarted()  # the prefill runs again, outside the grouped attention
+    step = _compiled_step() if mode == "compiled" else StaticDecoder.step
+    with _grouped_attention(model):
+        for t in range(max_new_tokens):
+            if graph is not None:
+                graph.replay()
+            else:
+                decoder.fill_uniforms()
+                step(decoder)
+            if (t + 1) % check_every == 0 or t == max_new_tokens - 1:
+                if decoder.bad.any():
+                    raise ValueError(BAD_DISTRIBUTION)
+                if decoder.done.all():
+                    break
+    return decoder.ids, decoder.logprobs
