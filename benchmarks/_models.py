@@ -45,6 +45,11 @@ SHAPES: dict[str, ModelShape] = {
     # a few hundred thousand parameters: the test suite's smoke preset
     "micro": ModelShape("llama", hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=512,
                         tie_embeddings=False, max_positions=256),
+    # the CPU smoke run of the GPU presets, in seconds: hidden 64 because bitsandbytes' CPU 4-bit kernels need
+    # rows of at least one 64-weight block; Llama-shaped because its CPU 4-bit path fails on a biased layer
+    # in training after an inference pass (bitsandbytes 0.50: `result += bias` on a leaf view)
+    "smoke": ModelShape("llama", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512,
+                        tie_embeddings=False, max_positions=256),
     # 5.0M parameters, Llama-shaped: under a second per GRPO step (B=2, G=4, 32+64 tokens) on one core
     "llama-small": ModelShape("llama", hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688, vocab=4096,
                               tie_embeddings=False, max_positions=1024),

@@ -5,6 +5,7 @@ the same settings, each (engine, repetition) in a fresh process so that peak mem
 ours, trl, ours, trl, ... The parent prints a summary, then one JSON object as its last line.
 
     python benchmarks/perf.py --preset cpu-small [--repetitions 2] [--set lora_r=16] [--out r.json]
+    python benchmarks/perf.py --preset gpu-1.5b --smoke   # the same preset shrunk to a tiny CPU run
 
 Settings that are forced equal (each worker reports what its engine actually holds; the parent
 compares them and fails if they differ):
@@ -17,25 +18,34 @@ compares them and fails if they differ):
   and completion tokens: EOS is an id outside the model's vocabulary, so every completion has
   exactly C tokens; both workers report the min and max they saw.
 - LoRA (r, alpha, dropout 0, all linear layers but the lm_head) or full fine-tuning; gradient
-  checkpointing (non-reentrant); dtype of the weights (no autocast on our side; TRL's bf16 flag on
-  a model already in bf16); KL coefficient; PPO clip 0.2; per-sequence mean aggregation (ours
-  ``ClippedSurrogate(aggregation="sequence")``, TRL ``loss_type="grpo"``); group z-score
-  advantages; AdamW (torch, not fused) with the same lr, betas, eps, no weight decay, constant lr,
-  gradient clipping at 1.0; temperature 1, no top-p / top-k; no vLLM; no logging or saving.
+  checkpointing (non-reentrant); the precision: the weights' dtype and the compute dtype (a LoRA
+  preset: a bfloat16 base, float32 adapters, TRL's bf16 flag; a full fine-tuning preset on a GPU:
+  float32 master weights under bfloat16 autocast, ours ``MemoryPlan(compute_dtype="bfloat16")``,
+  TRL's bf16 flag on a float32 model); KL coefficient; PPO clip 0.2; per-sequence mean aggregation
+  (ours ``ClippedSurrogate(aggregation="sequence")``, TRL ``loss_type="grpo"``); group z-score
+  advantages; AdamW with the same lr, betas, eps, no weight decay, constant lr, gradient clipping
+  at 1.0 (fused on a GPU, TRL's default there; unfused on the CPU); temperature 1, no top-p /
+  top-k; no vLLM ("TRL without vLLM": its transformers generation path); no logging or saving.
 - The reward: a CRC of the completion text (``_models.hash_score``).
 
-Stages. Ours come from the trainer's own timers (``time/sample_s`` ...) plus a wrapper around
-``optimizer.step``. TRL's come from wrappers around its methods: ``_generate`` (generation),
-``_calculate_rewards``, ``_get_per_token_logps_and_entropies`` under no_grad (log-prob passes),
-``training_step`` minus ``_prepare_inputs`` plus ``_clip_grad_norm`` (loss + backward), and the
-``on_pre_optimizer_step`` / ``on_optimizer_step`` callbacks (optimizer). ``other_s`` is the step
-time not in any stage. A step is timed from the end of the previous one (TRL: between
-``on_step_end`` callbacks), so it includes fetching the prompts.
+Stages, timed without adding a synchronisation inside either step (``_measure.StageClock``: CUDA
+events on a GPU, read once after the step). Ours: wrappers around ``sampler.sample`` (generation)
+and ``optimizer.step``, and the trainer's own reward / log-prob timers; the sampler also marks the
+end of its prefill, which splits generation into prefill and decode. TRL's come from wrappers
+around its methods: ``_generate`` (generation), ``_calculate_rewards``,
+``_get_per_token_logps_and_entropies`` under no_grad (log-prob passes), ``training_step`` minus
+``_prepare_inputs`` plus ``_clip_grad_norm`` (loss + backward), and the ``on_pre_optimizer_step`` /
+``on_optimizer_step`` callbacks (optimizer). ``other_s`` is the step time not in any stage. A step
+is timed from the end of the previous one (TRL: between ``on_step_end`` callbacks), so it includes
+fetching the prompts.
 
-Peak memory: on CPU the peak RSS of the training loop (``VmHWM`` after resetting it through
-``/proc/self/clear_refs`` when training starts: the model, the imports and the trainer are in it,
-a transient peak while building them is not); on GPU ``torch.cuda.max_memory_allocated`` over
-the loop (weights included).
+Peak memory, overall and per phase (sampling, training, optimizer; ``_measure.PhaseMemory``): on
+CPU the peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` when training starts and at
+each phase: the model, the imports and the trainer are in it, a transient peak while building them
+is not); on GPU ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` (weights included).
+
+Derived per engine (``_measure``): decode's fraction of the HBM roofline, training MFU, the time
+from the worker's launch to the end of its first step; ours also the memory estimator's prediction.
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ for _path in (str(HERE), str(ROOT)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from _measure import BF16_FLOPS, BYTES, NF4_BYTES, PhaseMemory, StageClock, decode_roofline, training_mfu  # noqa: E402
 from _models import SHAPES, build_model, count_params, hash_score, make_prompts, word_tokenizer  # noqa: E402
 
 RESULT_TAG = "PERF_RESULT "
@@ -71,7 +82,8 @@ class Preset:
 
     shape: str  # a key of _models.SHAPES
     device: str = "cpu"  # "cpu" or "cuda"
-    dtype: str = "float32"
+    dtype: str = "float32"  # the weights'
+    compute_dtype: str | None = None  # mixed precision: autocast to this dtype (float32 weights)
     prompts_per_step: int = 2  # B
     group_size: int = 4  # G
     prompt_tokens: int = 32
@@ -86,7 +98,9 @@ class Preset:
     warmup_steps: int = 1
     measured_steps: int = 3
     repetitions: int = 2
-    worker_timeout_s: float = 600.0
+    worker_timeout_s: float = 600.0  # ours; a fixed limit per worker
+    trl_timeout_s: float | None = None  # TRL's worker (default: worker_timeout_s)
+    decoding: str = "auto"  # our sampler's decoding path (MemoryPlan.decoding)
     # torch CPU threads (None = every core). The CPU presets use 1: on a shared 2-core machine a second
     # busy process stalls a 2-thread OpenMP pool at every barrier (steps measured 5-10x slower).
     threads: int | None = None
@@ -101,84 +115,89 @@ PRESETS: dict[str, Preset] = {
                         micro_batch_size=4, warmup_steps=1, measured_steps=4, repetitions=2, threads=1),
     "cpu-logits": Preset("qwen2-logits", prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=64,
                          micro_batch_size=4, warmup_steps=1, measured_steps=3, repetitions=2, threads=1),
-    "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="bfloat16", prompts_per_step=8, group_size=8,
-                       prompt_tokens=128, completion_tokens=512, micro_batch_size=16, learning_rate=1e-6,
-                       warmup_steps=1, measured_steps=2, repetitions=1, worker_timeout_s=100),
+    # full fine-tuning in float32 master weights under bfloat16 autocast (TRL: bf16=True on a float32 model)
+    "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="float32", compute_dtype="bfloat16", prompts_per_step=8,
+                       group_size=8, prompt_tokens=128, completion_tokens=512, micro_batch_size=16, learning_rate=1e-6,
+                       warmup_steps=1, measured_steps=3, repetitions=1, worker_timeout_s=75, trl_timeout_s=110),
+    "gpu-1.5b": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
+                       prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16, lora_alpha=32.0,
+                       learning_rate=1e-5, warmup_steps=1, measured_steps=3, repetitions=1, worker_timeout_s=90,
+                       trl_timeout_s=170),
     # the issue-5 workload under the plan `grpo-engine plan --model qwen2.5-1.5b --budget-gib 8` picks
     "gpu-1.5b-8gib": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                             prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
                             lora_alpha=32.0, gradient_checkpointing=True, learning_rate=1e-5, warmup_steps=1,
-                            measured_steps=1, repetitions=1, worker_timeout_s=140),
+                            measured_steps=3, repetitions=1, worker_timeout_s=90),
     # a 7B shape under QLoRA (ours only: --engines ours)
     "gpu-7b-qlora": Preset("qwen2.5-7b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                            prompt_tokens=128, completion_tokens=1024, micro_batch_size=4, lora_r=16, lora_alpha=32.0,
                            gradient_checkpointing=True, quantization="nf4", learning_rate=1e-5, warmup_steps=1,
-                           measured_steps=1, repetitions=1, worker_timeout_s=200),
-    "gpu-1.5b": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
-                       prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16, lora_alpha=32.0,
-                       learning_rate=1e-5, warmup_steps=1, measured_steps=1, repetitions=1, worker_timeout_s=140),
+                           measured_steps=3, repetitions=1, worker_timeout_s=130),
 }
+
+
+
+
+def smoke(p: Preset) -> Preset:
+    """The preset shrunk to a tiny CPU run (``--smoke``): the same engines, precision, LoRA,
+    checkpointing and quantization through the same workers and JSON, on the "smoke" Qwen2 shape.
+
+    Example:
+        >>> smoke(PRESETS["gpu-1.5b"]).shape, smoke(PRESETS["gpu-1.5b"]).lora_r
+        ('smoke', 16)
+    """
+    return dataclasses.replace(p, shape="smoke", device="cpu", prompts_per_step=2, group_size=2, prompt_tokens=8,
+                               completion_tokens=8, micro_batch_size=2, warmup_steps=1, measured_steps=3,
+                               repetitions=1, threads=1, worker_timeout_s=60.0, trl_timeout_s=60.0,
+                               decoding="static" if p.decoding == "auto" else p.decoding)  # the GPU's path, eager
 
 
 # -- measuring --------------------------------------------------------------------------------
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
 class MemoryMeter:
-    """Baseline and peak memory of the training loop (see the module docstring)."""
+    """Baseline, overall peak and per-phase peaks of the training loop (see the module docstring)."""
 
     def __init__(self, device: str) -> None:
         self.device = device
         self.scope = "training loop"
-
-    @staticmethod
-    def _status_kib(key: str) -> int | None:
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-        except OSError:
-            pass
-        return None
+        self.phases = PhaseMemory(device)
 
     def start(self) -> None:
         if self.device == "cuda":
             import torch
 
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()  # before the loop: the baseline is what is resident when training starts
             self.baseline = torch.cuda.memory_allocated()
-            return
-        self.setup_peak = self._status_kib("VmHWM")
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-        except OSError:
-            self.scope = "process"  # cannot reset: the peak is the whole process's
-        self.baseline = (self._status_kib("VmRSS") or 0) * 1024
+        else:
+            self.setup_peak = _status_kib("VmHWM")
+            self.baseline = (_status_kib("VmRSS") or 0) * 1024
+            if not Path("/proc/self/clear_refs").exists():
+                self.scope = "process"  # VmHWM cannot be reset: the peak is the whole process's
+        self.phases.enter("training")  # resets the peaks
+
+    def phase(self, name: str) -> None:
+        self.phases.enter(name)
 
     def finish(self) -> dict:
-        mib = 1024 * 1024
-        if self.device == "cuda":
-            import torch
+        phases = self.phases.finish()
+        peak = max(v["allocated_mib"] for v in phases.values()) if phases else 0.0
+        reserved = [v["reserved_mib"] for v in phases.values() if v["reserved_mib"] is not None]
+        setup = getattr(self, "setup_peak", None)
+        base = self.baseline / 2**20
+        return {"peak_mib": peak, "baseline_mib": base, "peak_above_baseline_mib": peak - base,
+                "peak_scope": self.scope, "peak_reserved_mib": max(reserved) if reserved else None,
+                "setup_peak_mib": setup / 1024 if setup is not None else None, "phases_mib": phases}
 
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-            extra = {"peak_reserved_mib": torch.cuda.max_memory_reserved() / mib}
-        else:
-            import resource
 
-            hwm = self._status_kib("VmHWM") if self.scope != "process" else None
-            peak = hwm * 1024 if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            setup = getattr(self, "setup_peak", None)
-            extra = {"setup_peak_mib": setup / 1024 if setup is not None else None}
-        return {"peak_mib": peak / mib, "baseline_mib": self.baseline / mib,
-                "peak_above_baseline_mib": (peak - self.baseline) / mib, "peak_scope": self.scope, **extra}
+def _status_kib(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def _step_row(step_s: float, stages: dict[str, float], lengths: dict[str, int]) -> dict:
@@ -231,6 +250,19 @@ def _weights_dtype(model) -> str:
 # -- the two workers ------------------------------------------------------------------------------
 
 
+def _sync(device: str) -> None:
+    """Waits for the GPU: only between steps, never inside one."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _launched_at() -> float:
+    """When the parent launched this worker (epoch seconds), for the time to the first step."""
+    return float(os.environ.get("PERF_LAUNCHED_AT", time.time()))
+
+
 def run_ours(p: Preset, workdir: str) -> dict:
     from grpo_engine import ClippedSurrogate, GRPOConfig, GRPOTrainer, LoRA, MemoryPlan, Prompt, Reward
     from grpo_engine.advantages import GroupNormalized
@@ -250,7 +282,8 @@ def run_ours(p: Preset, workdir: str) -> dict:
     )
     lora = LoRA(r=p.lora_r, alpha=p.lora_alpha, dropout=0.0, target_modules="all-linear") if p.lora_r else None
     memory = MemoryPlan(lora=lora, gradient_checkpointing=p.gradient_checkpointing, quantization=p.quantization,
-                        micro_batch_size=p.micro_batch_size, dtype=p.dtype)
+                        micro_batch_size=p.micro_batch_size, dtype=p.dtype, compute_dtype=p.compute_dtype,
+                        decoding=p.decoding)
     from grpo_engine.memory.estimate import Workload, estimate_memory
 
     predicted = estimate_memory(model.config, memory, Workload(
@@ -260,55 +293,60 @@ def run_ours(p: Preset, workdir: str) -> dict:
     trainer = GRPOTrainer(model, [HashReward()], [Prompt(t) for t in texts], config, memory, tokenizer=tokenizer,
                           advantage=GroupNormalized(), loss=loss, template=PlainTemplate("{question}"))
 
-    optimizer_s = [0.0]
-    optimizer_step = trainer.optimizer.step
+    clock, meter, seen = StageClock(p.device), MemoryMeter(p.device), {}
 
-    def timed_optimizer_step(*args, **kwargs):
-        _sync(p.device)
-        start = time.perf_counter()
-        out = optimizer_step(*args, **kwargs)
-        _sync(p.device)
-        optimizer_s[0] += time.perf_counter() - start
-        return out
+    def entering(phase, fn):
+        def wrapper(*args, **kwargs):
+            meter.phase(phase)
+            out = fn(*args, **kwargs)
+            meter.phase("training")
+            return out
+        return wrapper
 
-    trainer.optimizer.step = timed_optimizer_step
-    seen: dict = {}
-    sample = trainer.sampler.sample
-
-    def recorded_sample(prompts, *, group_size):
-        batch = sample(prompts, group_size=group_size)
+    def record(batch):  # after sampling, which ends on the host anyway (the texts are decoded)
         seen.update(_lengths(batch.prompt_mask.sum(1).tolist(), batch.completion_lengths.tolist()))
-        return batch
 
-    trainer.sampler.sample = recorded_sample
-    meter, rows = MemoryMeter(p.device), []
+    trainer.optimizer.step = entering("optimizer", clock.wrap("optimizer_s", trainer.optimizer.step))
+    trainer.sampler.sample = entering("sampling", clock.wrap("generation_s", trainer.sampler.sample, after=record))
+    rows, first_step_s = [], None
     meter.start()
     for _ in range(p.warmup_steps + p.measured_steps):
-        optimizer_s[0] = 0.0
         _sync(p.device)
         start = time.perf_counter()
         m = trainer.step()
-        _sync(p.device)
+        stages = clock.seconds()  # synchronises once, after the step
         step_s = time.perf_counter() - start
-        stages = {"generation_s": m["time/sample_s"], "reward_s": m["time/reward_s"],
-                  "logprobs_s": m["time/logprobs_s"], "optimizer_s": optimizer_s[0],
-                  "loss_backward_s": m["time/train_s"] - optimizer_s[0]}
-        rows.append(_step_row(step_s, stages, seen))
+        first_step_s = first_step_s if first_step_s is not None else time.time() - _launched_at()
+        phases = trainer.sampler.last_clock.seconds() if trainer.sampler.last_clock is not None else {}
+        stages.update(reward_s=m["time/reward_s"], logprobs_s=m["time/logprobs_s"])
+        stages["loss_backward_s"] = (step_s - stages["generation_s"] - stages["optimizer_s"] - stages["reward_s"]
+                                     - stages["logprobs_s"])
+        row = _step_row(step_s, stages, seen)  # ours: loss_backward_s is the rest of the step
+        row.update(prefill_s=phases.get("prefill"), decode_s=phases.get("decode"))
+        rows.append(row)
     settings = {
         "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
         "completions_per_optimizer_step": config.completions_per_step, "generations_per_optimizer_step": 1,
         "micro_batch_size": memory.micro_batch_size, "max_completion_tokens": config.max_completion_tokens,
         "lora": _lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
         "gradient_checkpointing": _checkpointing(trainer.model),
-        "weights_dtype": _weights_dtype(trainer.model), "kl_coef": loss.kl_coef, "clip_eps": loss.clip_eps_low,
+        "weights_dtype": _weights_dtype(trainer.model),
+        "compute_dtype": memory.compute_dtype if memory.mixed_precision else _weights_dtype(trainer.model),
+        "kl_coef": loss.kl_coef, "clip_eps": loss.clip_eps_low,
         "aggregation": "sequence", "learning_rate": config.learning_rate, "adam_betas": list(config.adam_betas),
         "max_grad_norm": config.max_grad_norm, "temperature": config.temperature,
         "optimizer": f"{type(trainer.optimizer).__name__}(fused={trainer.optimizer.defaults.get('fused')})",
     }
     trainable = sum(x.numel() for x in trainer.model.parameters() if x.requires_grad)
+    from grpo_engine.sampling.hf import resolve_decoding
+
     return {"rows": rows, "memory": meter.finish(), "settings": settings, "trainable_params": trainable,
-            "predicted_peak_mib": predicted.peak_bytes / 2**20, "predicted_phases_mib":
-            {k: v / 2**20 for k, v in predicted.phases.items()}}
+            "first_step_s": first_step_s, "predicted_peak_mib": predicted.peak_bytes / 2**20,
+            "predicted_phases_mib": {k: v / 2**20 for k, v in predicted.phases.items()},
+            "decoding": trainer.sampler.last_decoding.get("path") or resolve_decoding(
+                memory.decoding, trainer.model, next(trainer.model.parameters()).device),
+            "decoding_fallback": trainer.sampler.last_decoding.get("capture_error"),
+            "prompt_sharing_in_training": memory.share_prompt and not memory.gradient_checkpointing}
 
 
 def run_trl(p: Preset, workdir: str) -> dict:
@@ -326,15 +364,17 @@ def run_trl(p: Preset, workdir: str) -> dict:
     if p.kl_coef and not p.lora_r:  # TRL builds a full-FT reference model from a path: give it one
         model.save_pretrained(f"{workdir}/policy")
         model.config._name_or_path = f"{workdir}/policy"
+    compute = p.compute_dtype or p.dtype
     args = TRLConfig(
         output_dir=workdir, per_device_train_batch_size=p.micro_batch_size,
         gradient_accumulation_steps=completions // p.micro_batch_size, num_generations=p.group_size,
         max_completion_length=p.completion_tokens, max_steps=p.warmup_steps + p.measured_steps,
         learning_rate=p.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, max_grad_norm=1.0, optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, max_grad_norm=1.0,
+        optim="adamw_torch_fused" if p.device == "cuda" else "adamw_torch",  # TRL's GPU default is the fused one
         beta=p.kl_coef, use_bias_correction_kl=False, loss_type="grpo", scale_rewards="group", epsilon=0.2,
         num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, gradient_checkpointing=p.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=p.dtype == "bfloat16", fp16=False,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=compute == "bfloat16", fp16=compute == "float16",
         use_cpu=p.device == "cpu", disable_dropout=True, report_to="none", save_strategy="no",
         logging_steps=10**6, disable_tqdm=True, seed=p.seed, dataloader_num_workers=0, log_completions=False,
     )
@@ -349,57 +389,51 @@ def run_trl(p: Preset, workdir: str) -> dict:
     trainer = TRLTrainer(model, reward_funcs=hash_reward, args=args, train_dataset=Dataset.from_dict({"prompt": texts}),
                          processing_class=tokenizer, peft_config=peft_config)
 
-    stages: dict[str, float] = {}
-    seen: dict = {}
-
-    def timed(name, fn, *, when=lambda: True, after=None):
-        def wrapper(*args, **kwargs):
-            if not when():
-                return fn(*args, **kwargs)
-            _sync(p.device)
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            _sync(p.device)
-            stages[name] = stages.get(name, 0.0) + time.perf_counter() - start
-            if after is not None:
-                after(out)
-            return out
-        return wrapper
+    clock, meter, seen = StageClock(p.device), MemoryMeter(p.device), {}
 
     def record(out):  # _generate returns (prompt_ids, completion_ids, ...) as lists of id lists
         seen.update(_lengths([len(x) for x in out[0]], [len(x) for x in out[1]]))
 
-    trainer._generate = timed("generation_s", trainer._generate, after=record)
-    trainer._calculate_rewards = timed("reward_s", trainer._calculate_rewards)
-    trainer._get_per_token_logps_and_entropies = timed(
+    def sampling(fn):
+        def wrapper(*args, **kwargs):
+            meter.phase("sampling")
+            out = fn(*args, **kwargs)
+            meter.phase("training")
+            return out
+        return wrapper
+
+    trainer._generate = sampling(clock.wrap("generation_s", trainer._generate, after=record))
+    trainer._calculate_rewards = clock.wrap("reward_s", trainer._calculate_rewards)
+    trainer._get_per_token_logps_and_entropies = clock.wrap(
         "logprobs_s", trainer._get_per_token_logps_and_entropies, when=lambda: not torch.is_grad_enabled())
-    trainer.training_step = timed("training_step_s", trainer.training_step)
-    trainer._prepare_inputs = timed("prepare_inputs_s", trainer._prepare_inputs)
-    trainer._clip_grad_norm = timed("clip_s", trainer._clip_grad_norm)
-    meter, rows, clock = MemoryMeter(p.device), [], {}
+    trainer.training_step = clock.wrap("training_step_s", trainer.training_step)
+    trainer._prepare_inputs = clock.wrap("prepare_inputs_s", trainer._prepare_inputs)
+    trainer._clip_grad_norm = clock.wrap("clip_s", trainer._clip_grad_norm)
+    rows, state = [], {}
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):
             meter.start()
-            clock["last"] = time.perf_counter()
+            state["last"] = time.perf_counter()
 
         def on_pre_optimizer_step(self, *a, **k):
-            _sync(p.device)
-            clock["optimizer"] = time.perf_counter()
+            meter.phase("optimizer")
+            state["optimizer"] = clock.start("optimizer_s")
 
         def on_optimizer_step(self, *a, **k):
-            _sync(p.device)
-            stages["optimizer_s"] = time.perf_counter() - clock["optimizer"]
+            clock.stop(state.pop("optimizer"))
+            meter.phase("training")
 
         def on_step_end(self, *a, **k):
-            _sync(p.device)
+            s = clock.seconds()  # synchronises once, after the step
             now = time.perf_counter()
-            s = dict(stages)
+            state.setdefault("first_step_s", time.time() - _launched_at())
             s["loss_backward_s"] = (s.pop("training_step_s", 0.0) - s.pop("prepare_inputs_s", 0.0)
                                     + s.pop("clip_s", 0.0))
-            rows.append(_step_row(now - clock["last"], s, seen))
-            clock["last"] = now
-            stages.clear()
+            row = _step_row(now - state["last"], s, seen)
+            row.update(prefill_s=None, decode_s=None)
+            rows.append(row)
+            state["last"] = now
 
     trainer.add_callback(Clock())
     trainer.train()
@@ -412,7 +446,9 @@ def run_trl(p: Preset, workdir: str) -> dict:
         "micro_batch_size": a.per_device_train_batch_size, "max_completion_tokens": a.max_completion_length,
         "lora": _lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
         "gradient_checkpointing": _checkpointing(trainer.model),
-        "weights_dtype": _weights_dtype(trainer.model), "kl_coef": a.beta, "clip_eps": a.epsilon,
+        "weights_dtype": _weights_dtype(trainer.model),
+        "compute_dtype": "bfloat16" if a.bf16 else "float16" if a.fp16 else _weights_dtype(trainer.model),
+        "kl_coef": a.beta, "clip_eps": a.epsilon,
         "aggregation": {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}.get(a.loss_type, a.loss_type),
         "learning_rate": a.learning_rate, "adam_betas": [a.adam_beta1, a.adam_beta2],
         "max_grad_norm": a.max_grad_norm, "temperature": a.temperature,
@@ -420,7 +456,9 @@ def run_trl(p: Preset, workdir: str) -> dict:
                      f"(fused={trainer.optimizer.optimizer.defaults.get('fused')})",
     }
     trainable = sum(x.numel() for x in trainer.model.parameters() if x.requires_grad)
-    return {"rows": rows, "memory": memory, "settings": settings, "trainable_params": trainable}
+    return {"rows": rows, "memory": memory, "settings": settings, "trainable_params": trainable,
+            "first_step_s": state.get("first_step_s"), "decoding": "transformers generate",
+            "prompt_sharing_in_training": False}
 
 
 def worker(engine: str, p: Preset) -> dict:
@@ -431,10 +469,16 @@ def worker(engine: str, p: Preset) -> dict:
     if not measured:
         raise SystemExit(f"{engine}: no measured step (ran {len(raw['rows'])}, warm-up {p.warmup_steps})")
     med = {k: statistics.median(r[k] for r in measured) for k in ("step_s", *STAGES)}
+    for key in ("prefill_s", "decode_s"):
+        values = [r[key] for r in measured if r.get(key) is not None]
+        med[key] = statistics.median(values) if values else None
     generated = statistics.median(r["generated_tokens"] for r in measured)
     return {
         "engine": engine, "step_s": med["step_s"], "step_s_min": min(r["step_s"] for r in measured),
-        "stages": {k: med[k] for k in STAGES},
+        "stages": {k: med[k] for k in STAGES}, "prefill_s": med["prefill_s"], "decode_s": med["decode_s"],
+        "first_step_s": raw["first_step_s"], "decoding": raw["decoding"],
+        "decoding_fallback": raw.get("decoding_fallback"),
+        "prompt_sharing_in_training": raw["prompt_sharing_in_training"],
         "tokens_per_s": generated / med["generation_s"] if med["generation_s"] else None,
         "e2e_tokens_per_s": generated / med["step_s"], "generated_tokens_per_step": generated,
         **{k: f(r[k] for r in raw["rows"]) for k, f in (("prompt_tokens_min", min), ("prompt_tokens_max", max),
@@ -478,27 +522,66 @@ def _hardware(device: str) -> str:
 def floor(p: Preset) -> dict:
     """The physical-floor numbers of one step (see docs/benchmarks.md)."""
     s, c = SHAPES[p.shape], count_params(p.shape)
-    matmul = c["non_embedding"] + s.vocab * s.hidden  # the lm_head is a matmul; the embedding is a lookup
+    head = s.vocab * s.hidden
+    matmul = c["non_embedding"] + head  # the lm_head is a matmul; the embedding is a lookup
     n = p.prompts_per_step * p.group_size
     trained = n * (p.prompt_tokens + p.completion_tokens)
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}[p.dtype]
+    compute = BYTES[p.compute_dtype or p.dtype]
+    if p.quantization == "nf4":  # 4-bit trunk, the lm_head in the compute dtype
+        weight_bytes = (c["non_embedding"] * NF4_BYTES + head * compute) / matmul
+    else:  # under autocast the decode reads autocast's compute-dtype copies of the float32 weights
+        weight_bytes = compute
     head_dim = s.hidden // s.heads
     return {
         "params": c["total"], "matmul_params": matmul, "trained_tokens_per_step": trained,
-        "generated_tokens_per_step": n * p.completion_tokens,
+        "layers": s.layers, "q_dim": s.hidden, "generated_tokens_per_step": n * p.completion_tokens,
         "train_flops_per_step": 6 * matmul * trained,  # policy forward + backward, no recompute
         "decode_flops_per_step": 2 * matmul * n * p.completion_tokens,
-        "decode_weight_bytes_per_token_step": matmul * width,
-        "kv_bytes_per_token": 2 * s.layers * s.kv_heads * head_dim * width,
+        "decode_weight_bytes_per_param": weight_bytes,
+        "decode_weight_bytes_per_token_step": matmul * weight_bytes,
+        "kv_bytes_per_token": 2 * s.layers * s.kv_heads * head_dim * compute,
     }
 
 
-def _aggregate(runs: list[dict], fl: dict) -> dict:
+def derived(p: Preset, fl: dict, result: dict) -> dict:
+    """Decode's share of the HBM roofline and training MFU of one engine's result (GPU ceilings; on the
+    CPU the rates without a fraction)."""
+    gpu = p.device == "cuda"
+    n = p.prompts_per_step * p.group_size
+    decode_s = result.get("decode_s") or result["stages"]["generation_s"]  # TRL: generation, prefill included
+    lora_params = result["trainable_params"] if p.lora_r else 0
+    roofline = decode_roofline(matmul_params=fl["matmul_params"], weight_bytes=fl["decode_weight_bytes_per_param"],
+                               lora_params=lora_params, rows=n, prompt_tokens=p.prompt_tokens,
+                               completion_tokens=p.completion_tokens, kv_bytes_per_token=fl["kv_bytes_per_token"],
+                               decode_s=decode_s, hbm_bytes_per_s=4.3e12 if gpu else float("inf"))
+    shared = result.get("prompt_sharing_in_training")
+    trained = (p.prompts_per_step * p.prompt_tokens + n * p.completion_tokens if shared
+               else n * (p.prompt_tokens + p.completion_tokens))
+    mfu = training_mfu(matmul_params=fl["matmul_params"], layers=fl["layers"], q_dim=fl["q_dim"],
+                       trained_tokens=trained, sequence_tokens=p.prompt_tokens + p.completion_tokens,
+                       full=p.lora_r is None, checkpointing=p.gradient_checkpointing,
+                       train_s=result["stages"]["loss_backward_s"], peak_flops=BF16_FLOPS if gpu else float("inf"))
+    return {"decode_time_s": decode_s, "decode_bytes_per_step": roofline["bytes_per_step"],
+            "decode_bytes_per_s": roofline["achieved_bytes_per_s"],
+            "decode_roofline_fraction": roofline["fraction"] if gpu else None,
+            "trained_tokens_per_step": trained, "train_flops_per_step": mfu["flops_per_step"],
+            "train_tflops": mfu["achieved_flops"] / 1e12 if mfu["achieved_flops"] else None,
+            "mfu": mfu["mfu"] if gpu else None}
+
+
+def _aggregate(p: Preset, runs: list[dict], fl: dict) -> dict:
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    optional = lambda key: (statistics.median(v) if (v := [r[key] for r in runs if r.get(key) is not None])  # noqa: E731
+                            else None)
     out = {"step_s": med("step_s"), "step_s_min": min(r["step_s_min"] for r in runs),
            "stages": {k: statistics.median(r["stages"][k] for r in runs) for k in STAGES},
+           "prefill_s": optional("prefill_s"), "decode_s": optional("decode_s"),
+           "first_step_s": optional("first_step_s"), "decoding": runs[0]["decoding"],
+           "decoding_fallback": runs[0].get("decoding_fallback"),
+           "prompt_sharing_in_training": runs[0]["prompt_sharing_in_training"],
            "generated_tokens_per_step": med("generated_tokens_per_step"),
-           "peak_mib": med("peak_mib"), "baseline_mib": med("baseline_mib"),
+           "peak_mib": med("peak_mib"), "peak_reserved_mib": optional("peak_reserved_mib"),
+           "baseline_mib": med("baseline_mib"), "phases_mib": runs[0]["phases_mib"],
            "peak_above_baseline_mib": med("peak_above_baseline_mib"), "peak_scope": runs[0]["peak_scope"],
            "trainable_params": runs[0]["trainable_params"], "settings": runs[0]["settings"],
            "completion_tokens": [min(r["completion_tokens_min"] for r in runs),
@@ -512,11 +595,7 @@ def _aggregate(runs: list[dict], fl: dict) -> dict:
     gen_s = out["stages"]["generation_s"]
     out["tokens_per_s"] = out["generated_tokens_per_step"] / gen_s if gen_s else None
     out["e2e_tokens_per_s"] = out["generated_tokens_per_step"] / out["step_s"]
-    train_s = out["stages"]["loss_backward_s"]
-    out["train_tflops"] = fl["train_flops_per_step"] / train_s / 1e12 if train_s else None
-    completion_tokens = out["completion_tokens"][1]
-    out["decode_weight_gbps"] = (fl["decode_weight_bytes_per_token_step"] * completion_tokens / gen_s / 1e9
-                                 if gen_s else None)
+    out.update(derived(p, fl, out))
     return out
 
 
@@ -540,16 +619,23 @@ def _problems(p: Preset, results: dict) -> list[str]:
     return problems
 
 
-def _run_worker(engine: str, p: Preset, timeout: float) -> tuple[dict | None, str | None]:
+def _run_worker(engine: str, p: Preset, timeout: float, log: Path | None = None) -> tuple[dict | None, str | None]:
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
+           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1",
+           "PERF_LAUNCHED_AT": repr(time.time())}
     spec = json.dumps(dataclasses.asdict(p))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--spec", spec]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return None, f"{engine}: worker timed out after {timeout:.0f} s"
+    except subprocess.TimeoutExpired as stopped:
+        if log is not None:
+            with log.open("a") as f:
+                f.write(f"--- {engine}: timed out after {timeout:.0f} s; its output:\n{stopped.stderr or ''}\n")
+        return None, f"{engine}: worker timed out after {timeout:.0f} s (its fixed limit)"
+    if log is not None:
+        with log.open("a") as f:
+            f.write(f"--- {engine} worker (exit {proc.returncode}) stderr:\n{proc.stderr[-20000:]}\n")
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):]), None
@@ -559,7 +645,7 @@ def _run_worker(engine: str, p: Preset, timeout: float) -> tuple[dict | None, st
 
 def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str]) -> dict:
     fl = floor(p)
-    results = {e: _aggregate(r, fl) if r else None for e, r in runs.items()}
+    results = {e: _aggregate(p, r, fl) if r else None for e, r in runs.items()}
     ours, trl = results.get("ours"), results.get("trl")
     both = bool(ours and trl)
     problems = _problems(p, results)
@@ -578,21 +664,29 @@ def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str]
     }
 
 
-def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, budget_s: float | None) -> dict:
-    """Runs the alternating workers and returns the report (also written to ``out`` after each worker)."""
-    start = time.perf_counter()
+def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, budget_s: float | None = None,
+            deadline: float | None = None, log: Path | None = None) -> dict:
+    """Runs the alternating workers and returns the report (also written to ``out`` after each worker).
+
+    Each worker has a fixed time limit (``worker_timeout_s``, TRL's ``trl_timeout_s``), cut to what
+    is left before ``deadline`` (epoch seconds) or of ``budget_s``; a worker with under 10 s left is
+    skipped and reported in ``errors``.
+    """
+    start = time.time()
+    ends = [x for x in (deadline, start + budget_s if budget_s is not None else None) if x is not None]
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     errors: list[str] = []
     order = [(rep, engine) for rep in range(p.repetitions) for engine in engines]  # ours, trl, ours, trl, ...
-    for index, (rep, engine) in enumerate(order):
-        timeout = p.worker_timeout_s
-        if budget_s is not None:  # an equal share of what is left for each worker still to run
-            timeout = min(timeout, (budget_s - (time.perf_counter() - start)) / (len(order) - index))
+    for rep, engine in order:
+        timeout = p.trl_timeout_s if engine == "trl" and p.trl_timeout_s else p.worker_timeout_s
+        if ends:
+            timeout = min(timeout, min(ends) - time.time())
             if timeout < 10:
                 errors.append(f"{engine} repetition {rep + 1}: skipped, the time budget is spent")
                 continue
-        print(f"[perf] {name}: {engine} repetition {rep + 1}/{p.repetitions}", file=sys.stderr, flush=True)
-        result, error = _run_worker(engine, p, timeout)
+        print(f"[perf] {name}: {engine} repetition {rep + 1}/{p.repetitions} (limit {timeout:.0f} s)",
+              file=sys.stderr, flush=True)
+        result, error = _run_worker(engine, p, timeout, log)
         if error:
             errors.append(error)
             print(f"[perf] {error}", file=sys.stderr, flush=True)
@@ -652,6 +746,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", default="ours,trl", help="comma-separated subset of ours,trl")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     parser.add_argument("--budget-s", type=float, help="stop starting workers once this many seconds have passed")
+    parser.add_argument("--deadline", type=float, help="epoch seconds by which every worker must have ended")
+    parser.add_argument("--smoke", action="store_true", help="shrink the preset to a tiny CPU run (see smoke())")
+    parser.add_argument("--log", type=Path, help="append each worker's stderr to this file")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -660,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT_TAG + json.dumps(result), flush=True)
         return 0
     p = PRESETS[args.preset]
+    if args.smoke:
+        p = smoke(p)
     if args.repetitions:
         p = dataclasses.replace(p, repetitions=args.repetitions)
     if args.steps:
@@ -669,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     if not set(engines) <= {"ours", "trl"} or not engines:
         raise SystemExit(f"--engines {args.engines!r}: use ours, trl or ours,trl")
-    report = compare(args.preset, p, engines, args.out, args.budget_s)
+    report = compare(args.preset, p, engines, args.out, args.budget_s, args.deadline, args.log)
     print(_summary(report), flush=True)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
     return 1 if report["problems"] or report["errors"] else 0

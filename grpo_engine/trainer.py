@@ -37,6 +37,7 @@ from grpo_engine.losses import ClippedSurrogate, KLRewardPenalty
 from grpo_engine.memory.apply import (
     ReferencePolicy,
     activation_offload,
+    autocast,
     build_optimizer,
     prepare_model,
     trainable_parameters,
@@ -198,7 +199,7 @@ class GRPOTrainer:
 
         def draw(num_prompts: int) -> tuple[RolloutBatch, RewardOutput]:
             # 1. sample a group of completions for each prompt
-            with timer("sample"):
+            with timer("sample"), self._autocast():
                 batch = self.sampler.sample(self.prompts.next_batch(num_prompts), group_size=cfg.group_size)
             # 2. score, with the per-reward breakdown
             with timer("reward"):
@@ -213,7 +214,7 @@ class GRPOTrainer:
             batch, rewards, step_stats = self.dynamic_sampling(draw, cfg.prompts_per_step)
 
         # 3. old and reference log-probs, without gradient and only when needed
-        with timer("logprobs"):
+        with timer("logprobs"), self._autocast():
             # for mu > 1 the first update's forward pass runs the sampling policy itself and records its
             # log-probs (_update); a separate pass is needed for KL in the reward (before the advantages)
             # and under LoRA dropout (the training forward is then noisier than the sampling policy)
@@ -279,9 +280,10 @@ class GRPOTrainer:
         cfg = self.config
         prompts = prompts if prompts is not None else self.eval_prompts
         template = self.template if self.template is not None else getattr(self.sampler, "template", None)
-        report = evaluate(self.model, self.tokenizer, prompts, self.eval_reward, template=template,
-                          max_new_tokens=cfg.eval_max_completion_tokens or cfg.max_completion_tokens,
-                          batch_size=cfg.completions_per_step, progress=False)
+        with self._autocast():
+            report = evaluate(self.model, self.tokenizer, prompts, self.eval_reward, template=template,
+                              max_new_tokens=cfg.eval_max_completion_tokens or cfg.max_completion_tokens,
+                              batch_size=cfg.completions_per_step, progress=False)
         return {f"eval/{name}": value for name, value in report.metrics.items()}
 
     def _update(self, batch: RolloutBatch, advantages: Tensor, old: Tensor | None, ref: Tensor | None,
@@ -331,35 +333,36 @@ class GRPOTrainer:
             trained_tokens = max(1, int(batch.completion_mask[rows].sum()))
             for idx in rows.split(self.memory.micro_batch_size) if rows.numel() else ():
                 pid, pmask, cid, cmask = batch.trimmed(idx)
-                with activation_offload(self.memory):  # what backward needs goes to CPU memory, if planned
+                # forward and loss under autocast (mixed precision), backward outside it
+                with activation_offload(self.memory), self._autocast():  # saved tensors to CPU memory, if planned
                     out = completion_logprobs(  # token entropy comes from the same chunked pass
                         self.model, pid, pmask, cid, cmask, temperature=self.temperature,
                         chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy,
                         vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=pass_entropy,
                         share_prompt=self.memory.share_prompt)
-                logprobs, entropy = out if with_entropy else (out, None)
-                if record_logprobs is not None:
-                    record_logprobs[idx, :cid.shape[1]] = logprobs.detach().float().cpu()
-                if entropy is not None:
-                    sums["entropy/token_mean"] += float(token_entropy_mean(entropy.detach(), cmask, trained_tokens))
-                width, dev = cid.shape[1], logprobs.device
-                micro = MicroBatch(
-                    completion_mask=cmask, advantages=advantages[idx].to(dev),
-                    old_logprobs=old_logprobs[idx, :width].to(dev) if old_logprobs is not None else None,
-                    ref_logprobs=ref_logprobs[idx, :width].to(dev) if ref_logprobs is not None else None,
-                    is_truncated=batch.is_truncated[idx].to(dev), entropy=entropy if pass_entropy else None,
-                    sampler_logprobs=(batch.sampler_logprobs[idx, :width].to(dev)
-                                      if batch.sampler_logprobs is not None else None),
-                )
-                out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=num_sequences)
+                    logprobs, entropy = out if with_entropy else (out, None)
+                    if record_logprobs is not None:
+                        record_logprobs[idx, :cid.shape[1]] = logprobs.detach().float().cpu()
+                    if entropy is not None:
+                        sums["entropy/token_mean"] += token_entropy_mean(entropy.detach(), cmask, trained_tokens)
+                    width, dev = cid.shape[1], logprobs.device
+                    micro = MicroBatch(
+                        completion_mask=cmask, advantages=advantages[idx].to(dev),
+                        old_logprobs=old_logprobs[idx, :width].to(dev) if old_logprobs is not None else None,
+                        ref_logprobs=ref_logprobs[idx, :width].to(dev) if ref_logprobs is not None else None,
+                        is_truncated=batch.is_truncated[idx].to(dev), entropy=entropy if pass_entropy else None,
+                        sampler_logprobs=(batch.sampler_logprobs[idx, :width].to(dev)
+                                          if batch.sampler_logprobs is not None else None),
+                    )
+                    out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=num_sequences)
                 out.loss.backward()
-                sums["loss"] += out.loss.item()
+                sums["loss"] += out.loss.detach()  # summed on the device: one host sync per step, not per micro-batch
                 for key, value in out.metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
+                    sums[key] = sums.get(key, 0.0) + value.detach()
         finally:
             self.model.eval()
         self._metric_keys = tuple(sums)  # a step that trained no row still logs every key (as 0)
-        return sums
+        return {key: float(value) for key, value in sums.items()}
 
     def _observe(self, batch: RolloutBatch, rewards: RewardOutput, observed: list) -> None:
         """Tells the temperature controller and the curriculum how every sampled group did."""
@@ -402,6 +405,10 @@ class GRPOTrainer:
                 chunk_size=self.memory.logprob_chunk_size, vocab_tile=self.memory.logprob_vocab_tile,
                 share_prompt=self.memory.share_prompt).cpu()
         return out
+
+    def _autocast(self):
+        """Mixed precision: ``torch.autocast`` to ``memory.compute_dtype`` when it differs from ``dtype``."""
+        return autocast(self.memory, next(self.model.parameters()).device)
 
     # -- metrics, schedule, saving ----------------------------------------------------------
 

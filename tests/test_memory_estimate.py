@@ -123,6 +123,23 @@ def test_saved_activations_within_15_percent(config, dtype, kind):
     assert predicted == pytest.approx(actual, rel=0.15), (predicted, actual)
 
 
+@pytest.mark.parametrize("config", [LLAMA, QWEN], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_mixed_precision_activations_and_weight_copies_within_15_percent(config, kind):
+    """float32 weights under bfloat16 autocast: the saved activations plus autocast's bf16 copies of
+    the matmul weights (saved for backward too), against what autograd saves."""
+    workload = Workload(prompts_per_step=2, group_size=4, prompt_tokens=24, completion_tokens=40)
+    plan = MemoryPlan(lora=LoRA(r=8) if kind == "lora" else None, micro_batch_size=8, compute_dtype="bfloat16")
+    model = prepare_model(build(config), plan)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        actual = saved_activation_bytes(model, workload, plan)
+    parts = estimate_memory(config, plan, workload).parts
+    assert parts["autocast_weights"] == (ModelShape.from_config(config).linear_params + 300 * config.hidden_size) * 2
+    assert parts["activations"] + parts["autocast_weights"] == pytest.approx(actual, rel=0.15)
+    fp32 = estimate_memory(config, MemoryPlan(lora=plan.lora, micro_batch_size=8), workload)
+    assert fp32.parts["autocast_weights"] == 0 and fp32.parts["weights"] == parts["weights"]
+
+
 def test_offloaded_activations_leave_the_device():
     workload = Workload()
     on = estimate_memory("qwen2.5-1.5b", MemoryPlan(lora=LoRA(), offload_activations=True), workload)

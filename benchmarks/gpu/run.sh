@@ -1,53 +1,72 @@
 #!/usr/bin/env bash
-# GPU benchmark for a lent GPU (sized for one H200): grpo_engine vs TRL on the gpu-0.5b, gpu-1.5b and
-# gpu-1.5b-8gib presets, and ours alone on gpu-7b-qlora. Each of our workers also reports the memory
-# estimator's predicted peak (predicted_peak_mib, predicted_over_measured) for the +-15% check.
-# Writes <preset>.json (full report), <preset>.log and env.txt under $OUT.
+# The GPU benchmark in one run, sized for one lent H200 and at most 8 minutes:
 #
-#   bash benchmarks/gpu/run.sh            # from the repository root; OUT defaults to ./perf-out
+#   bash benchmarks/gpu/run.sh              # on the GPU machine; OUT defaults to ./perf-out
+#   bash benchmarks/gpu/run.sh --cpu-smoke  # the same script, presets shrunk to tiny CPU runs (< 2 min)
 #
-# Carried wheels in .whl/ (trl, accelerate, datasets, ... without torch) are installed first.
-# The whole script ends within PERF_TOTAL_S seconds (default 420 = 7 minutes): each preset gets a
-# share of the time left, perf.py starts no worker it cannot finish (--budget-s), and `timeout`
-# kills the preset's whole process group if it still overruns.
-set -u
+# 1. installs the wheels carried in .whl/ (bash benchmarks/gpu/fetch_wheels.sh makes them); a failed
+#    install stops the run;
+# 2. preflight (<= 30 s): Python, torch, CUDA, a C compiler, every import a worker makes, free memory;
+#    a failure stops the run with one line, before any benchmark;
+# 3. the decoding check: dynamic loop, static path and CUDA graph agree; their speed at 32 rows;
+# 4. the presets, most valuable first, each worker under a fixed time limit (benchmarks/perf.py):
+#    gpu-1.5b ours + TRL, gpu-1.5b-8gib ours, gpu-0.5b ours + TRL, gpu-7b-qlora ours;
+#    each preset's JSON is written under $OUT as soon as each of its workers ends;
+# 5. one summary table, with the issue's goals, printed and written to $OUT/summary.txt.
+#
+# Files under $OUT (at most 8, as the device tool returns): run.log, preflight.json,
+# decode_check.json, gpu-1.5b.json, gpu-1.5b-8gib.json, gpu-0.5b.json, gpu-7b-qlora.json, summary.txt.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
+SMOKE=0
+if [[ "${1:-}" == "--cpu-smoke" ]]; then SMOKE=1; elif [[ -n "${1:-}" ]]; then
+  echo "usage: bash benchmarks/gpu/run.sh [--cpu-smoke]" >&2; exit 2
+fi
 OUT=${OUT:-$PWD/perf-out}
-TOTAL_S=${PERF_TOTAL_S:-420}
-START=$(date +%s)
 mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+TOTAL_S=${PERF_TOTAL_S:-$([[ $SMOKE == 1 ]] && echo 110 || echo 470)}
+START=$(date +%s)
+DEADLINE=$(( START + TOTAL_S ))
+LOG="$OUT/run.log"
+: > "$LOG"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+say() { echo "[gpu-run +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
+if [[ $SMOKE == 0 ]] && compgen -G ".whl/*.whl" > /dev/null; then
+  say "installing $(ls .whl/*.whl | wc -l) carried wheels"
+  if ! $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >> "$LOG" 2>&1; then
+    say "STOP: installing the carried wheels from .whl/ failed (pip's output is in run.log)"; exit 2
+  fi
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, peft, trl; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-    'transformers', transformers.__version__, 'peft', peft.__version__, 'trl', trl.__version__)"
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+CPU_FLAG=$([[ $SMOKE == 1 ]] && echo --cpu || true)
+timeout --kill-after=5 30 $PY benchmarks/gpu/preflight.py $CPU_FLAG --out "$OUT/preflight.json" 2>> "$LOG" \
+  | tee -a "$LOG"
+if [[ ${PIPESTATUS[0]} != 0 ]]; then
+  grep -q "preflight FAILED" "$LOG" || say "preflight FAILED: it did not finish in 30 s (see run.log)"
+  say "STOP: preflight failed; no benchmark ran"; exit 2
+fi
 
-run_preset() {  # run_preset NAME PERCENT [ENGINES]: the preset gets PERCENT of the seconds left
-  local name=$1 share=$2 engines=${3:-ours,trl}
-  local left=$(( TOTAL_S - ($(date +%s) - START) - 20 ))
-  local budget=$(( left * share / 100 ))
-  if (( budget < 60 )); then
-    echo "== $name: skipped, only ${budget}s left"
-    return
-  fi
-  echo "== $name: budget ${budget}s"
-  timeout --kill-after=5 $(( budget + 15 )) \
-    python3 benchmarks/perf.py --preset "$name" --engines "$engines" --budget-s "$budget" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  echo "== $name: exit $? after $(( $(date +%s) - START ))s"
-  tail -n 6 "$OUT/$name.log" | cut -c1-400
+timeout --kill-after=5 $([[ $SMOKE == 1 ]] && echo 40 || echo 60) \
+  $PY benchmarks/gpu/decode_check.py $CPU_FLAG --out "$OUT/decode_check.json" 2>> "$LOG" | tee -a "$LOG"
+[[ ${PIPESTATUS[0]} == 0 ]] || say "decode check: failed or disagreed (see decode_check.json and run.log); going on"
+
+preset() {  # preset NAME ENGINES: perf.py applies each worker's fixed limit, cut to the deadline
+  local name=$1 engines=$2
+  if (( $(date +%s) + 20 > DEADLINE )); then say "$name: skipped, the run's time is spent"; return; fi
+  say "$name ($engines)"
+  timeout --kill-after=5 $(( DEADLINE - $(date +%s) + 10 )) \
+    $PY benchmarks/perf.py --preset "$name" --engines "$engines" --repetitions 1 --deadline "$DEADLINE" \
+    $([[ $SMOKE == 1 ]] && echo --smoke) --out "$OUT/$name.json" --log "$LOG" 2>> "$LOG" | grep -v '^{' | tee -a "$LOG"
 }
+preset gpu-1.5b ours,trl
+preset gpu-1.5b-8gib ours
+preset gpu-0.5b ours,trl
+preset gpu-7b-qlora ours
 
-run_preset gpu-0.5b 25
-run_preset gpu-1.5b 40
-run_preset gpu-1.5b-8gib 45
-run_preset gpu-7b-qlora 100 ours   # needs a CUDA bitsandbytes wheel in .whl/
-echo "== done in $(( $(date +%s) - START ))s; results in $OUT"
+$PY benchmarks/gpu/summary.py "$OUT" > "$OUT/summary.txt" 2>> "$LOG"
+cat "$OUT/summary.txt"
+say "done; results in $OUT"

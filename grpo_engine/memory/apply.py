@@ -18,7 +18,7 @@ from grpo_engine.memory.plan import MemoryPlan
 
 __all__ = [
     "prepare_model", "build_optimizer", "ReferencePolicy", "trainable_parameters", "quantize_4bit_",
-    "is_quantized_4bit", "activation_offload", "bnb_4bit_config",
+    "is_quantized_4bit", "activation_offload", "bnb_4bit_config", "autocast",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,6 +75,20 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def autocast(plan: MemoryPlan, device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to the plan's ``compute_dtype`` under mixed precision, else a no-op context.
+
+    Example:
+        >>> with autocast(MemoryPlan(compute_dtype="bfloat16"), torch.device("cpu")):
+        ...     torch.ones(2, 2) @ torch.ones(2, 2)
+        tensor([[2., 2.],
+                [2., 2.]], dtype=torch.bfloat16)
+    """
+    if not plan.mixed_precision:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=_DTYPES[plan.compute_dtype])
 
 
 def bnb_4bit_config(plan: MemoryPlan):
@@ -146,8 +160,10 @@ def build_optimizer(
     if not params:
         raise ValueError("the model has no trainable parameters; check MemoryPlan.lora.target_modules "
                          "or that the base model is not frozen")
-    if plan.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
+    if plan.optimizer == "adamw":  # the fused kernel on a GPU: one launch per step, not several per tensor
+        fused = all(p.is_cuda and p.is_floating_point() for p in params)
+        return torch.optim.AdamW(params, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 fused=fused or None)
     try:
         import bitsandbytes as bnb
     except ImportError as exc:  # pragma: no cover - bitsandbytes is a core dependency

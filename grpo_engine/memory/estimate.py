@@ -21,6 +21,10 @@ k = kv_heads * head_dim:
     bf16/fp16, frozen base (LoRA):  40 h + 11 f +  6 k   (peft runs the fp32 adapters on fp32 copies
     bf16/fp16, every weight:        25 h +  9 f +  6 k    of their inputs; norms save fp32 inputs)
     gradient checkpointing:         the layer input (h elements) per layer, + ~6 h bytes per token
+    mixed precision (fp32 weights, bf16 autocast), every weight:  39.5 h + 8 f + 6.5 k
+    mixed precision, frozen base (LoRA):                            35 h + 8 f +  14 k
+                                    (+ autocast's bf16 copy of every matmul weight and of the
+                                     lm_head, held while a forward runs: sampling and training)
 
 What it predicts is tensor memory (``torch.cuda.max_memory_allocated``), not what the driver
 reports: add the CUDA context (~0.3-0.5 GiB) and allocator slack for ``nvidia-smi``.
@@ -54,6 +58,8 @@ _ACT_BYTES = {
     (False, False): (40.0, 11.0, 6.0),
     (False, True): (25.0, 9.0, 6.0),
 }
+# mixed precision (float32 weights, 2-byte autocast), by every weight trained; fitted as above
+_MIXED_ACT_BYTES = {False: (35.0, 8.0, 14.0), True: (39.5, 8.0, 6.5)}
 _CHECKPOINT_CONSTANT = 6.0  # x h bytes per token outside the layers under checkpointing
 
 
@@ -234,7 +240,8 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
     """
     s = ModelShape.from_config(model)
     w = workload
-    dt = _BYTES[plan.dtype]
+    dt = _BYTES[plan.dtype]  # weights
+    ct = _BYTES[plan.compute_dtype] if plan.mixed_precision else dt  # what a forward pass computes in
     parts: dict[str, float] = {}
 
     # resident: weights, adapters, optimizer state
@@ -255,12 +262,15 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
 
     # sampling: the KV cache of every row, and one decoding step's logits (fp32, a few copies)
     length = w.prompt_tokens + w.completion_tokens
-    parts["kv_cache"] = w.rows * length * s.layers * 2 * s.kv_dim * dt
+    parts["kv_cache"] = w.rows * length * s.layers * 2 * s.kv_dim * ct
+    # mixed precision: autocast keeps a compute-dtype copy of every matmul weight while a forward runs
+    parts["autocast_weights"] = (s.linear_params + s.vocab * s.hidden) * ct if plan.mixed_precision else 0
     parts["sampling_logits"] = w.rows * s.vocab * 4 * 3
     # merge_lora_for_sampling: a merged copy of every adapted weight while sampling
     merged = s.layers * sum(i * o for i, o in s.adapted_shapes(plan.lora)) if plan.merge_lora_for_sampling else 0
     parts["merged_weights"] = merged * dt
-    sampling = resident + parts["kv_cache"] + parts["sampling_logits"] + parts["merged_weights"]
+    sampling = (resident + parts["kv_cache"] + parts["sampling_logits"] + parts["merged_weights"]
+                + parts["autocast_weights"])
 
     # training: gradients, saved activations of one micro-batch, one layer's backward, one logits tile
     parts["gradients"] = trainable * grad_bytes
@@ -269,7 +279,8 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
     tokens = m * w.completion_tokens + groups_in_micro * w.prompt_tokens
     if plan.share_prompt and plan.gradient_checkpointing:  # no KV cache under checkpointing: full rows
         tokens = m * length
-    a_h, a_f, a_k = _ACT_BYTES[(dt == 4, plan.lora is None)]
+    a_h, a_f, a_k = (_MIXED_ACT_BYTES[plan.lora is None] if plan.mixed_precision
+                     else _ACT_BYTES[(dt == 4, plan.lora is None)])
     per_layer = a_h * s.hidden + a_f * s.intermediate + a_k * s.kv_dim  # bytes per token
     one_layer = tokens * per_layer
     if plan.gradient_checkpointing:
@@ -283,7 +294,8 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
     chunk = min(plan.logprob_chunk_size, m * w.completion_tokens)
     tile = min(plan.logprob_vocab_tile or s.vocab, s.vocab)
     parts["logprob_tile"] = chunk * tile * 4 * 3
-    training = resident + parts["gradients"] + saved + one_layer + parts["logprob_tile"]
+    training = (resident + parts["gradients"] + saved + one_layer + parts["logprob_tile"]
+                + parts["autocast_weights"])
 
     # optimizer step: torch's foreach AdamW makes fp32 temporaries the size of the trainable params
     parts["optimizer_temporaries"] = 0 if eight_bit else trainable * 4

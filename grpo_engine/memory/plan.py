@@ -27,6 +27,10 @@ optimizer. Nothing in the step loop branches on it.
 - ``micro_batch_size``: completions per forward/backward; the step's gradient is accumulated over
   ``ceil(completions_per_step / micro_batch_size)`` micro-batches and equals the one-batch gradient.
 - ``dtype``: the dtype of the frozen base weights (LoRA adapters stay float32).
+- ``compute_dtype``: mixed precision: with ``dtype="float32"`` and ``compute_dtype="bfloat16"`` the
+  weights (and their gradients and AdamW states) stay float32 and every forward pass (sampling,
+  log-probs, training) runs under ``torch.autocast`` in bfloat16, so small full-fine-tuning updates
+  are not rounded away in a bfloat16 weight.
 - ``logprob_chunk_size``: tokens per chunk of the lm_head + log-softmax pass, so the full
   [N, T, V] logits never exist at once.
 """
@@ -101,6 +105,10 @@ class MemoryPlan(FrozenModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the (frozen) base weights; adapters stay float32."
     )
+    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Mixed precision: the dtype forward passes compute in under torch.autocast, when it "
+        "differs from dtype (e.g. float32 weights, bfloat16 compute). null: compute in dtype."
+    )
     logprob_vocab_tile: int | None = Field(
         32768, description="Vocabulary entries per tile of the lm_head pass (plain linear heads); bounds the "
         "logits to chunk x tile floats in forward and backward. null: whole-vocabulary chunks."
@@ -150,7 +158,17 @@ class MemoryPlan(FrozenModel):
                              f"(got lora={'set' if self.lora else None}, dtype={self.dtype!r}, "
                              f"quantization={self.quantization!r}): a merged 4-bit or half-precision weight would "
                              "lose small LoRA updates; set merge_lora_for_sampling=False")
+        mixed = self.compute_dtype not in (None, self.dtype)
+        if mixed and (self.dtype != "float32" or self.quantization is not None):
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} with dtype={self.dtype!r} and quantization="
+                             f"{self.quantization!r}: mixed precision keeps float32 weights and computes in a "
+                             "half type; use dtype='float32' without quantization, or set compute_dtype to null")
         return self
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether forward passes run under autocast in ``compute_dtype`` (it differs from ``dtype``)."""
+        return self.compute_dtype not in (None, self.dtype)
 
 
 MemoryPlan.field_rules = {

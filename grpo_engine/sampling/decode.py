@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from grpo_engine.logprobs import kv_cache, position_ids_from_mask
 
-__all__ = ["TokenDraw", "categorical", "sample_categorical", "inverse_cdf", "decode", "is_decoder_lm",
+__all__ = ["TokenDraw", "PhaseClock", "categorical", "sample_categorical", "inverse_cdf", "decode", "is_decoder_lm",
            "completion_mask_from_ids", "draw_uniforms", "BAD_DISTRIBUTION"]
 
 BLOCK = 256  # token ids per block of the two-level draw
@@ -85,6 +85,43 @@ def sample_categorical(probs: Tensor) -> Tensor:
     if not ok.all():
         raise ValueError(BAD_DISTRIBUTION)
     return ids
+
+
+class PhaseClock:
+    """Marks points in a run of GPU work without synchronising it: CUDA events on a GPU, the wall
+    clock on the CPU. :meth:`seconds` waits for the last mark, then gives the time between
+    consecutive marks, each named by the later one.
+
+    Example:
+        >>> clock = PhaseClock(torch.device("cpu"))
+        >>> clock.mark("start"); clock.mark("prefill"); clock.mark("decode")
+        >>> sorted(clock.seconds())
+        ['decode', 'prefill']
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event))
+        else:
+            import time
+
+            self.marks.append((name, time.perf_counter()))
+
+    def seconds(self) -> dict[str, float]:
+        if not self.marks:
+            return {}
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            out[name] = out.get(name, 0.0) + (a.elapsed_time(b) / 1000 if self.cuda else b - a)
+        return out
 
 
 class TokenDraw:
@@ -165,13 +202,15 @@ def _prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int) -> dict:
 
 @torch.no_grad()
 def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
-           eos_ids: Sequence[int], pad_id: int, draw: TokenDraw) -> tuple[Tensor, Tensor | None]:
+           eos_ids: Sequence[int], pad_id: int, draw: TokenDraw,
+           clock: PhaseClock | None = None) -> tuple[Tensor, Tensor | None]:
     """Completions of the left-padded prompts ``ids`` / ``mask`` [B, P], each repeated ``repeats``
     times (rows ``b*repeats ..`` belong to prompt b), one token per step chosen by ``draw``.
 
     Returns:
         ids [B*repeats, C] (``pad_id`` after a row's EOS token, which is kept) and the log-probs
         ``draw`` reported [B*repeats, C] (0 after the EOS), or None when it reports none.
+        ``clock``, when given, is marked "prefill" after the prompt's prefill and "decode" at the end.
 
     Raises:
         ValueError: a step's logits were not a distribution (NaN / inf, or top-k / top-p kept nothing).
@@ -182,6 +221,8 @@ def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new
     out_logprobs: Tensor | None = None
     eos = torch.tensor(list(eos_ids), device=device)
     cache = _prefill(model, ids, mask, repeats)
+    if clock is not None:
+        clock.mark("prefill")
     attention = mask.long().repeat_interleave(repeats, 0)  # [n, P]: the cache plus the token fed next
     position = position_ids_from_mask(attention)[:, -1]  # [n]
     token = ids[:, -1].repeat_interleave(repeats, 0)  # [n]
@@ -213,6 +254,8 @@ def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new
             attention, position = attention[keep], position[keep]
         attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
         position = position + 1
+    if clock is not None:
+        clock.mark("decode")
     if not prune:  # rows ran on after their EOS: blank what followed it
         keep, _ = completion_mask_from_ids(out_ids, eos_ids)
         out_ids = out_ids.masked_fill(~keep, pad_id)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from grpo_engine.data.templates import PromptTemplate, default_template
-from grpo_engine.sampling.decode import TokenDraw, completion_mask_from_ids, decode, is_decoder_lm
+from grpo_engine.sampling.decode import PhaseClock, TokenDraw, completion_mask_from_ids, decode, is_decoder_lm
 from grpo_engine.sampling.merge import check_mergeable, merged_lora
 from grpo_engine.sampling.static import decode_static, supports_static
 from grpo_engine.types import Prompt, RolloutBatch
@@ -125,6 +125,9 @@ class HFSampler:
         decoding: ``"auto"``, ``"dynamic"``, ``"static"``, ``"compiled"`` or ``"cuda_graph"`` (see
             the module docstring and :func:`resolve_decoding`).
 
+    After each ``sample()`` call, ``last_decoding`` holds the path that ran (and, if a CUDA graph
+    could not be captured, why), and ``last_clock`` the prefill / decode times (``seconds()``).
+
     Example:
         >>> # sampler = HFSampler(model, tokenizer, max_completion_tokens=64)
         >>> # batch = sampler.sample([Prompt("What is 2+2?", "4")], group_size=8)
@@ -160,6 +163,8 @@ class HFSampler:
         if decoding not in DECODING_PATHS:
             raise ValueError(f"decoding={decoding!r} is not one of {', '.join(DECODING_PATHS)}; use 'auto'")
         self.decoding = decoding
+        self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
+        self.last_decoding: dict = {}  # the last call's decoding path ("path"), and a CUDA-graph capture error
         if merge_lora:
             check_mergeable(model)
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -200,13 +205,17 @@ class HFSampler:
                     shared = self.share_prompt and group_size > 1
                     path = resolve_decoding(self.decoding, self.model, device)
                     args = (self.model, ids if shared else prompt_ids, mask if shared else prompt_mask)
+                    self.last_clock = PhaseClock(device)
+                    self.last_clock.mark("start")
                     kwargs = dict(repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
-                                  eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw())
+                                  eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw(),
+                                  clock=self.last_clock)
+                    self.last_decoding = {"path": path, "capture_error": None}
                     if path == "dynamic":
                         completion_ids, logprobs = decode(*args, **kwargs)
                     else:
                         completion_ids, logprobs = decode_static(
-                            *args, **kwargs, mode="eager" if path == "static" else path)
+                            *args, **kwargs, mode="eager" if path == "static" else path, info=self.last_decoding)
                 else:
                     completion_ids, logprobs = self._generate(prompt_ids, prompt_mask)
         finally:

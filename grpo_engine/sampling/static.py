@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_engine.logprobs import position_ids_from_mask
-from grpo_engine.sampling.decode import BAD_DISTRIBUTION, TokenDraw, draw_uniforms, is_decoder_lm
+from grpo_engine.sampling.decode import BAD_DISTRIBUTION, PhaseClock, TokenDraw, draw_uniforms, is_decoder_lm
 
 __all__ = ["StaticKVCache", "StaticDecoder", "decode_static", "supports_static", "static_cache_bytes",
            "grouped_attention"]
@@ -260,7 +260,7 @@ class StaticDecoder:
         self.ids.index_copy_(1, self.t, token[:, None])
         if self.logprobs is not None:
             self.logprobs.index_copy_(1, self.t, torch.where(live, logprob, 0.0)[:, None])
-        self.done |= torch.isin(token, self.eos)
+        self.done |= (token[:, None] == self.eos).any(-1)  # (torch.isin may sort, and sync, for many EOS ids)
         self.token.copy_(token)
         self.position.add_(1)
         slot.add_(1)
@@ -308,7 +308,8 @@ def _capture(decoder: StaticDecoder) -> torch.cuda.CUDAGraph:
 @torch.no_grad()
 def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
                   eos_ids: Sequence[int], pad_id: int, draw: TokenDraw, mode: Mode = "eager",
-                  check_every: int | None = None) -> tuple[Tensor, Tensor | None]:
+                  check_every: int | None = None, clock: PhaseClock | None = None,
+                  info: dict | None = None) -> tuple[Tensor, Tensor | None]:
     """Completions of the left-padded prompts ``ids`` / ``mask`` [B, P], each repeated ``repeats``
     times, on the static path; same contract as :func:`grpo_engine.sampling.decode.decode`.
 
@@ -317,6 +318,9 @@ def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, 
             back to eager with a warning when the step cannot be captured).
         check_every: tokens between host checks of the EOS flags (default 16 on CUDA, 1 on the CPU,
             where a check costs nothing and a finished batch should stop at once).
+        clock: marked "prefill" once the cache is filled (and the graph captured), "decode" at the end.
+        info: when given, filled with ``path`` (the mode that ran) and ``capture_error`` (why a CUDA
+            graph could not be captured, or None).
 
     Raises:
         ValueError: a step's logits were not a distribution (checked at the host checks).
@@ -327,17 +331,22 @@ def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, 
     check_every = check_every or (16 if ids.device.type == "cuda" else 1)
     decoder = StaticDecoder(model, ids, mask, repeats=repeats, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                             pad_id=pad_id, draw=draw)
-    graph = None
+    graph, ran, capture_error = None, mode, None
     if mode == "cuda_graph":
         try:
             with _grouped_attention(model):
                 graph = _capture(decoder)
         except Exception as error:  # a model whose step cannot be captured still samples
-            warnings.warn(f"could not capture the decoding step as a CUDA graph ({type(error).__name__}: "
-                          f"{str(error)[:300]}); decoding without it", stacklevel=2)
+            capture_error = f"{type(error).__name__}: {str(error)[:300]}"
+            warnings.warn(f"could not capture the decoding step as a CUDA graph ({capture_error}); decoding "
+                          "without it", stacklevel=2)
             torch.cuda.synchronize()
-            decoder = decoder.restarted()  # the prefill runs again, outside the grouped attention
+            decoder, ran = decoder.restarted(), "static"  # the prefill runs again, outside the grouped attention
+    if info is not None:
+        info.update(path=ran if ran != "eager" else "static", capture_error=capture_error)
     step = _compiled_step() if mode == "compiled" else StaticDecoder.step
+    if clock is not None:
+        clock.mark("prefill")
     with _grouped_attention(model):
         for t in range(max_new_tokens):
             if graph is not None:
@@ -350,4 +359,6 @@ def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, 
                     raise ValueError(BAD_DISTRIBUTION)
                 if decoder.done.all():
                     break
+    if clock is not None:
+        clock.mark("decode")
     return decoder.ids, decoder.logprobs

@@ -1,0 +1,143 @@
+"""One table from a GPU run's JSON files, and each goal of the GPU issue against what was measured.
+
+    python benchmarks/gpu/summary.py OUT_DIR      # prints the table (run.sh also writes summary.txt)
+
+Reads ``preflight.json``, ``decode_check.json`` and one ``<preset>.json`` per preset
+(``benchmarks/perf.py --out``); a preset that did not run, or an engine that failed, shows as such.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+PRESETS = ("gpu-1.5b", "gpu-1.5b-8gib", "gpu-0.5b", "gpu-7b-qlora")
+GIB = 1024.0  # MiB per GiB
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _f(value, fmt: str = ".2f", missing: str = "-") -> str:
+    return missing if value is None else format(value, fmt)
+
+
+def _gib(mib: float | None) -> float | None:
+    return None if mib is None else mib / GIB
+
+
+def _row(preset: str, engine: str, r: dict) -> str:
+    st, phases = r["stages"], r.get("phases_mib") or {}
+    peak = "/".join(_f(_gib((phases.get(k) or {}).get("allocated_mib")), ".1f")
+                    for k in ("sampling", "training", "optimizer"))
+    reserved = _gib(r.get("peak_reserved_mib"))
+    predicted = r.get("predicted_over_measured")
+    return (f"{preset:14}{engine:6}{r['step_s']:8.2f}{st['generation_s']:8.2f}{_f(r.get('prefill_s')):>8}"
+            f"{_f(r.get('decode_s')):>8}{st['loss_backward_s']:8.2f}{st['optimizer_s']:7.2f}"
+            f"{_f(r.get('tokens_per_s'), '.0f'):>9}{_f(r.get('decode_roofline_fraction'), '.0%'):>6}"
+            f"{_f(r.get('mfu'), '.0%'):>6}{peak:>16}{_f(reserved, '.1f'):>7}"
+            f"{_f(r.get('first_step_s'), '.0f'):>6}{_f(predicted):>7}  {r.get('decoding', '')}")
+
+
+def _goals(reports: dict[str, dict]) -> list[str]:
+    lines = []
+
+    def goal(text: str, value, ok) -> None:
+        verdict = "not measured" if value is None else ("met" if ok(value) else "NOT met")
+        lines.append(f"goal: {text}: {_f(value, '.2f')} ({verdict})")
+
+    def get(preset: str, *keys):
+        value = reports.get(preset)
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    for preset in ("gpu-0.5b", "gpu-1.5b"):
+        goal(f"step time ours / TRL <= 0.5 on {preset}", get(preset, "ratio_step_time"), lambda v: v <= 0.5)
+    goal("decode at 32 rows >= 40% of the HBM roofline (gpu-1.5b, ours)",
+         get("gpu-1.5b", "ours", "decode_roofline_fraction"), lambda v: v >= 0.40)
+    goal("training >= 35% MFU on gpu-0.5b (ours)", get("gpu-0.5b", "ours", "mfu"), lambda v: v >= 0.35)
+    goal("1.5B LoRA r16, 4 x 8 x 1024: peak reserved < 8 GiB (gpu-1.5b, ours), GiB",
+         _gib(get("gpu-1.5b", "ours", "peak_reserved_mib")), lambda v: v < 8)
+    goal("the same under the 8 GiB plan (gpu-1.5b-8gib, ours), GiB",
+         _gib(get("gpu-1.5b-8gib", "ours", "peak_reserved_mib")), lambda v: v < 8)
+    goal("1.5B LoRA: peak allocated ours / TRL <= 0.35", get("gpu-1.5b", "ratio_peak_memory"), lambda v: v <= 0.35)
+    goal("7B QLoRA: peak reserved < 12 GiB, GiB", _gib(get("gpu-7b-qlora", "ours", "peak_reserved_mib")),
+         lambda v: v < 12)
+    for preset in PRESETS:
+        goal(f"estimator within 15% of the allocated peak on {preset} (predicted / measured)",
+             get(preset, "ours", "predicted_over_measured"), lambda v: 0.85 <= v <= 1.15)
+    return lines
+
+
+def summarize(out: Path) -> str:
+    lines = []
+    preflight = _load(out / "preflight.json")
+    if preflight is None:
+        lines.append("preflight: did not run")
+    elif preflight.get("ok"):
+        lines.append(f"preflight: ok, Python {preflight['python']}, torch {preflight['torch']}, "
+                     f"{preflight.get('gpu', 'CPU')}; " + ", ".join(f"{k} {v}" for k, v in
+                                                             preflight.get("versions", {}).items()))
+    else:
+        lines.append(f"preflight: FAILED, {preflight.get('error')}")
+    check = _load(out / "decode_check.json")
+    if check is None:
+        lines.append("decode check: did not run")
+    else:
+        a = check.get("agreement", {})
+        lines.append(f"decode check: same tokens on every path: {all(a.get('same_tokens', {0: False}).values())} "
+                     f"{a.get('same_tokens')}, max log-prob difference "
+                     f"{_f(max(a.get('max_logprob_diff', {'-': 0}).values()), '.1e')}")
+        if "speed" in check:
+            s = check["speed"]
+            lines.append(f"decode speed at {s['rows']} rows x {s['new_tokens']} tokens: " + ", ".join(
+                f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in s["paths"].items()) + f"; auto picks {s['auto']}")
+    reports = {p: r for p in PRESETS if (r := _load(out / f"{p}.json")) is not None}
+    if reports:
+        any_report = next(iter(reports.values()))
+        v = any_report.get("versions", {})
+        lines.append(f"hardware: {any_report.get('hardware')}; torch {v.get('torch')}, transformers "
+                     f"{v.get('transformers')}, peft {v.get('peft')}, TRL {v.get('trl')} (TRL without vLLM)")
+    lines.append(f"{'preset':14}{'engine':6}{'step s':>8}{'gen s':>8}{'prefill':>8}{'decode':>8}{'train s':>8}"
+                 f"{'opt s':>7}{'gen t/s':>9}{'roof':>6}{'MFU':>6}{'peak GiB s/t/o':>16}{'resv':>7}{'1st s':>6}"
+                 f"{'pred/m':>7}  decoding")
+    for preset in PRESETS:
+        report = reports.get(preset)
+        if report is None:
+            lines.append(f"{preset:14}did not run")
+            continue
+        for engine in ("ours", "trl"):
+            if report.get(engine):
+                lines.append(_row(preset, engine, report[engine]))
+        if report.get("ratio_step_time") is not None:
+            lines.append(f"{'':14}ours / TRL: step time {report['ratio_step_time']:.2f}, peak allocated "
+                         f"{report['ratio_peak_memory']:.2f}, generation tokens/s "
+                         f"{_f(report.get('ratio_generation_tokens_per_s'))}")
+        if (report.get("ours") or {}).get("decoding_fallback"):
+            lines.append(f"{'':14}NOTE: no CUDA graph, decoded eagerly: {report['ours']['decoding_fallback']}")
+        lines += [f"{'':14}PROBLEM: {x}" for x in report.get("problems", [])]
+        lines += [f"{'':14}ERROR: {x.splitlines()[0]}" for x in report.get("errors", [])]
+    if reports and all(r.get("device") == "cpu" for r in reports.values()):
+        lines.append("goals: not judged on a CPU smoke run (they are the GPU run's)")
+    else:
+        lines += _goals(reports)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    print(summarize(Path(args[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
