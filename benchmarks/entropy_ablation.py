@@ -10,7 +10,7 @@ same training seed and the same budget in optimizer steps, each (arm, seed) in a
   on the top-20% tokens by entropy of each micro-batch only ("Beyond the 80/20 rule").
 - ``adaptive_temperature``: ``AdaptiveTemperature(initial=<the demo's temperature>)`` (defaults
   otherwise: bounds 0.5-1.5, step 0.05, collapse SE <= 0.1, scatter mean SE >= 0.8).
-- ``curriculum``: ``InformativeCurriculum(train, batch_size=B, seed=<training seed>)`` (defaults
+- ``curriculum``: ``grpo_engine.data.InformativeCurriculum(train, batch_size=B, seed=<training seed>)`` (defaults
   otherwise: revisit up to half of each batch from prompts with mean accuracy in (0.1, 0.9)).
 
     python benchmarks/entropy_ablation.py --seeds 0 1 --steps 30 --out /tmp/ablation
@@ -133,13 +133,13 @@ def _top_entropy_tokens(spec: Spec, train: Sequence) -> dict[str, Any]:
 def _adaptive_temperature(spec: Spec, train: Sequence) -> dict[str, Any]:
     from grpo_engine.entropy import AdaptiveTemperature
 
-    return {"temperature_control": AdaptiveTemperature(initial=spec.temperature)}
+    return {"callbacks": [AdaptiveTemperature(initial=spec.temperature)]}
 
 
 def _curriculum(spec: Spec, train: Sequence) -> dict[str, Any]:
-    from grpo_engine.entropy import InformativeCurriculum
+    from grpo_engine.data import InformativeCurriculum
 
-    return {"prompt_source": InformativeCurriculum(train, batch_size=spec.prompts_per_step, seed=spec.seed)}
+    return {"prompts": InformativeCurriculum(train, batch_size=spec.prompts_per_step, seed=spec.seed)}
 
 
 ARMS: dict[str, Callable[[Spec, Sequence], dict[str, Any]]] = {
@@ -163,7 +163,7 @@ class ObservedEntropy:
 
     @property
     def requires_sampler_logprobs(self) -> bool:
-        return bool(getattr(self.estimator, "requires_sampler_logprobs", False))
+        return self.estimator.requires_sampler_logprobs
 
     def __call__(self, batch, rewards):
         start = time.perf_counter()
@@ -198,8 +198,9 @@ def build_trainer(spec: Spec, model, tokenizer, train: Sequence, template, rewar
         progress_bar=False,
     )
     memory = MemoryPlan(lora=LoRA(r=spec.lora_r, alpha=2 * spec.lora_r), micro_batch_size=spec.micro_batch_size)
-    return GRPOTrainer(model, [reward], train, config=config, memory=memory, tokenizer=tokenizer, template=template,
-                       entropy=ObservedEntropy(SemanticEntropy(normalize=True)), **ARMS[spec.arm](spec, train))
+    arm = {"prompts": train, **ARMS[spec.arm](spec, train)}
+    return GRPOTrainer(model, [reward], config=config, memory=memory, tokenizer=tokenizer, template=template,
+                       entropy=ObservedEntropy(SemanticEntropy(normalize=True)), **arm)
 
 
 def source_hash(root: Path = ROOT) -> str:

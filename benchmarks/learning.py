@@ -265,7 +265,8 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         lr, temperature, r, alpha = demo.learning_rate, demo.temperature, demo.lora_r, 2.0 * demo.lora_r
         schedule = demo.lr_schedule  # a decay follows the trainer's clock, step time as the benchmark counts it
         micro = spec.micro_batch_size or demo.micro_batch_size
-        advantage, loss = recipe_components(demo)
+        parts = recipe_components(demo)
+        advantage, loss = parts["advantage"], parts["loss"]
         train_tokens = demo.max_completion_tokens  # our recipe's training cap; evaluation keeps the task's
         prompts, group = demo.prompts_per_step, demo.group_size  # our recipe's batch shape
         merge = demo.merge_lora_for_sampling
@@ -299,7 +300,8 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         "lora": _lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
         "gradient_checkpointing": _checkpointing(trainer.model), "precision": _weights_dtype(trainer.model),
         "kl_coef": loss.kl_coef, "clip_eps": [loss.clip_eps_low, loss.clip_eps_high], "aggregation": loss.aggregation,
-        "advantage": _advantage(advantage.std_scope, advantage.eps), "updates_per_batch": config.updates_per_batch,
+        "advantage": _advantage(getattr(advantage, "std_scope", "none"), getattr(advantage, "eps", 0.0)),
+        "updates_per_batch": config.updates_per_batch,
         "learning_rate": config.learning_rate, "lr_schedule": config.lr_schedule, "warmup_steps": config.warmup_steps,
         "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps, "weight_decay": config.weight_decay,
         "max_grad_norm": config.max_grad_norm, "temperature": config.temperature, "top_p": config.top_p,

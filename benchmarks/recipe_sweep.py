@@ -80,7 +80,8 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
         torch.set_num_threads(threads)
     s = dataclasses.replace(DemoSettings(), **{k: v for k, v in variant.items() if k not in COMPONENT_KEYS})
     dynamic = DynamicSampling(**variant["dynamic_sampling"]) if "dynamic_sampling" in variant else None
-    advantage, loss = recipe_components(s)
+    parts = recipe_components(s)
+    advantage, loss = parts["advantage"], parts["loss"]
     if "advantage" in variant:
         advantage = build_advantage(variant["advantage"])
     if "loss" in variant:
@@ -99,7 +100,7 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
         memory = MemoryPlan(lora=lora, micro_batch_size=s.micro_batch_size,
                             merge_lora_for_sampling=s.merge_lora_for_sampling and lora is not None)
         trainer = GRPOTrainer(policy, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
-                              template=template, dynamic_sampling=dynamic, advantage=advantage, loss=loss)
+                              template=template, sampler=dynamic, advantage=advantage, loss=loss)
         curve = []
         for step in range(1, steps + 1):
             trainer.step()

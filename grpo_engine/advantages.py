@@ -61,6 +61,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from grpo_engine.ops import groups
+from grpo_engine.ops.groups import check_eps, zero_std_fraction, zero_where
 from grpo_engine.protocols import AdvantageFn
 
 __all__ = [
@@ -68,33 +70,6 @@ __all__ = [
 ]
 
 StdScope = Literal["group", "batch", "none"]
-
-
-def _check_eps(eps: float, owner: str) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:  # `not >=` rejects NaN
-        raise ValueError(f"{owner}: eps={eps!r} must be >= 0; pass a small non-negative number such as 1e-6")
-
-
-def _centered(rewards: Tensor, owner: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Checks ``rewards`` [B, G] (G >= 2) and returns (float rewards, r - mean_g r, [B, 1] equal-group mask)."""
-    if rewards.dim() != 2:
-        raise ValueError(
-            f"{owner}: rewards shape {tuple(rewards.shape)} must be 2-D [B, G] (prompts x group); "
-            "reshape the flat [N] rewards with rewards.view(-1, group_size)"
-        )
-    if rewards.shape[1] < 2:
-        raise ValueError(f"{owner}: group_size={rewards.shape[1]} makes every advantage 0; use group_size >= 2")
-    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-    return r, r - r.mean(dim=1, keepdim=True), _equal_groups(r)
-
-
-def _equal_groups(rewards: Tensor) -> Tensor:
-    """[B, 1] True where every reward of the group equals its first one."""
-    return (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
-
-
-def _zero_where(equal: Tensor, advantages: Tensor) -> Tensor:
-    return torch.where(equal, torch.zeros_like(advantages), advantages)
 
 
 @dataclass(frozen=True)
@@ -124,7 +99,7 @@ class GroupNormalized:
                 f"GroupNormalized: std_scope={self.std_scope!r} must be one of 'group' (GRPO), 'batch' "
                 "(Lite PPO) or 'none' (Dr. GRPO); for example GroupNormalized(std_scope='group')"
             )
-        _check_eps(self.eps, "GroupNormalized")
+        check_eps(self.eps, "GroupNormalized")
 
     def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
         """Advantages of every completion relative to its group.
@@ -141,12 +116,12 @@ class GroupNormalized:
             ValueError: if ``rewards`` is not 2-D or G < 2.
         """
         del uncertainty  # not used by this estimator
-        r, advantages, equal = _centered(rewards, "GroupNormalized")
+        r, advantages, equal = groups.centered(rewards, "GroupNormalized")
         if self.std_scope == "group":
             advantages = advantages / (r.std(dim=1, keepdim=True, correction=1) + self.eps)
         elif self.std_scope == "batch":
             advantages = advantages / (r.std(correction=1) + self.eps)
-        return _zero_where(equal, advantages)
+        return zero_where(equal, advantages)
 
 
 @dataclass(frozen=True)
@@ -164,8 +139,8 @@ class MeanBaseline:
     def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
         """Maps rewards [B, G] (G >= 2) to [B, G] advantages; ``uncertainty`` is ignored."""
         del uncertainty  # not used by this estimator
-        _, advantages, equal = _centered(rewards, "MeanBaseline")
-        return _zero_where(equal, advantages)
+        _, advantages, equal = groups.centered(rewards, "MeanBaseline")
+        return zero_where(equal, advantages)
 
 
 @dataclass(frozen=True)
@@ -189,9 +164,9 @@ class RLOO:
                 "RLOO: group_size=1 leaves no other completion for the leave-one-out baseline; "
                 "use group_size >= 2"
             )
-        r, _, equal = _centered(rewards, "RLOO")
+        r, _, equal = groups.centered(rewards, "RLOO")
         others_mean = (r.sum(dim=1, keepdim=True) - r) / (r.shape[1] - 1)
-        return _zero_where(equal, r - others_mean)
+        return zero_where(equal, r - others_mean)
 
 
 @dataclass(frozen=True)
@@ -213,7 +188,7 @@ class ReinforcePlusPlusBaseline:
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        _check_eps(self.eps, "ReinforcePlusPlusBaseline")
+        check_eps(self.eps, "ReinforcePlusPlusBaseline")
 
     def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
         """Maps rewards [B, G] (G >= 2) to [B, G] advantages with batch mean 0 and batch std ~1.
@@ -222,10 +197,10 @@ class ReinforcePlusPlusBaseline:
         every group is like that, every advantage is 0.
         """
         del uncertainty  # not used by this estimator
-        _, centered, equal = _centered(rewards, "ReinforcePlusPlusBaseline")
-        centered = _zero_where(equal, centered)
+        _, centered, equal = groups.centered(rewards, "ReinforcePlusPlusBaseline")
+        centered = zero_where(equal, centered)
         whitened = (centered - centered.mean()) / (centered.std(correction=1) + self.eps)
-        return _zero_where(equal, whitened)
+        return zero_where(equal, whitened)
 
 
 _SCALINGS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -313,24 +288,3 @@ class EntropyScaled:
             raise ValueError(f"EntropyScaled: fn returned shape {tuple(factor.shape)}; it must map x [B] to [B] "
                              "elementwise")
         return advantages * factor.unsqueeze(1)
-
-
-def zero_std_fraction(rewards: Tensor) -> Tensor:
-    """Fraction of groups whose rewards are all equal (no learning signal), for metrics.
-
-    Args:
-        rewards: [B, G] total reward of each completion, B >= 1.
-
-    Returns:
-        Scalar float32 tensor in [0, 1].
-
-    Example:
-        >>> zero_std_fraction(torch.tensor([[1.0, 1.0], [0.0, 1.0]]))
-        tensor(0.5000)
-    """
-    if rewards.dim() != 2 or rewards.shape[0] < 1:
-        raise ValueError(
-            f"rewards shape {tuple(rewards.shape)} must be 2-D [B, G] with B >= 1; "
-            "reshape the flat [N] rewards with rewards.view(-1, group_size)"
-        )
-    return _equal_groups(rewards).to(torch.float32).mean()

@@ -57,8 +57,9 @@ def _options(model: type[FrozenModel], prefix: str) -> str:
 
 def _train_help() -> str:
     return "\n".join([
-        "The YAML file holds: model, train_prompts, rewards, and optionally advantage, loss, template",
-        "(components: {class: import.path, **kwargs}), config (GRPOConfig) and memory (MemoryPlan).",
+        "The YAML file holds: model, train_prompts, rewards, and optionally advantage, loss, template,",
+        "sampler, entropy, callbacks (components: {class: import.path, **kwargs}), config (GRPOConfig)",
+        "and memory (MemoryPlan).",
         "Print a complete example with: grpo-engine example-config", "",
         "config options:", _options(GRPOConfig, "config."), "",
         "memory options:", _options(MemoryPlan, "memory."), "",
@@ -87,6 +88,9 @@ def _train(path: str) -> int:
         advantage=build(spec.advantage) if spec.advantage else None,
         loss=build(spec.loss) if spec.loss else None,
         template=build(spec.template) if spec.template else None,
+        sampler=build(spec.sampler) if spec.sampler else None,
+        entropy=build(spec.entropy) if spec.entropy else None,
+        callbacks=[build(c) for c in spec.callbacks],
     )
     out = Path(spec.config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +202,8 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from grpo_engine.memory.estimate import Workload, estimate_memory, plan_for_budget
+    from grpo_engine.memory.budget import plan_for_budget
+    from grpo_engine.memory.estimate import Workload, estimate_memory
 
     try:
         workload = Workload(prompts_per_step=args.prompts_per_step, group_size=args.group_size,

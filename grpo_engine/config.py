@@ -120,15 +120,6 @@ class GRPOConfig(FrozenModel):
     adam_eps: float = Field(1e-8, description="AdamW epsilon.")
     max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this (null = off).")
 
-    # -- evaluation --------------------------------------------------------------------------
-    eval_every_steps: int | None = Field(
-        None, description="Greedy pass@1 on the trainer's eval_prompts every this many steps, logged as "
-        "eval/pass@1 (null = never)."
-    )
-    eval_max_completion_tokens: int | None = Field(
-        None, description="Generation limit of the periodic evaluation (null = max_completion_tokens)."
-    )
-
     # -- bookkeeping -------------------------------------------------------------------------
     seed: int = Field(0, description="Seeds prompt order, sampling and initialisation.")
     output_dir: str = Field("runs/grpo", description="Metrics, checkpoints and the final model go here.")
@@ -165,7 +156,4 @@ GRPOConfig.field_rules = {
     "max_grad_norm": (lambda v: v is None or v > 0, "must be > 0", "use null to turn clipping off"),
     "max_train_seconds": (lambda v: v is None or v > 0, "must be > 0", "use null for no time limit"),
     "save_every_steps": (lambda v: v is None or v >= 1, "must be >= 1", "use null to save only at the end"),
-    "eval_every_steps": (lambda v: v is None or v >= 1, "must be >= 1", "use null to turn periodic evaluation off"),
-    "eval_max_completion_tokens": (lambda v: v is None or v >= 1, "must be >= 1",
-                                   "use null to evaluate with max_completion_tokens"),
 }

@@ -17,15 +17,11 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from grpo_engine.checkpoint import save_pretrained_atomic
-
-if TYPE_CHECKING:
-    from grpo_engine.advantages import GroupNormalized
-    from grpo_engine.losses import ClippedSurrogate
 
 __all__ = ["DemoSettings", "recipe_components", "smollm2_folder", "run_demo"]
 
@@ -56,21 +52,25 @@ class DemoSettings:
     output_dir: str = "runs/demo"
 
 
-def recipe_components(settings: DemoSettings) -> tuple[GroupNormalized, ClippedSurrogate]:
-    """The recipe's advantage function and loss: ``(GroupNormalized, ClippedSurrogate)``.
+def recipe_components(settings: DemoSettings) -> dict[str, Any]:
+    """The recipe's advantage and loss, ``GRPOTrainer`` keyword arguments: ``presets.dr_grpo`` under the
+    default settings; ``advantage_std_scope`` / ``loss_aggregation`` name another variant (recipe_sweep).
 
     Example:
-        >>> advantage, loss = recipe_components(DemoSettings(advantage_std_scope="none", loss_aggregation="constant"))
-        >>> advantage.std_scope, loss.aggregation, loss.max_completion_tokens
-        ('none', 'constant', 16)
+        >>> parts = recipe_components(DemoSettings())
+        >>> type(parts["advantage"]).__name__, parts["loss"].aggregation, parts["loss"].max_completion_tokens
+        ('MeanBaseline', 'constant', 16)
     """
     from grpo_engine.advantages import GroupNormalized
     from grpo_engine.losses import ClippedSurrogate
+    from grpo_engine.presets import dr_grpo
 
+    if (settings.advantage_std_scope, settings.loss_aggregation) == ("none", "constant"):
+        return dr_grpo(settings.max_completion_tokens).components()
     constant = settings.loss_aggregation == "constant"  # Dr. GRPO divides by the generation limit
-    return (GroupNormalized(std_scope=settings.advantage_std_scope),
-            ClippedSurrogate(aggregation=settings.loss_aggregation,
-                             max_completion_tokens=settings.max_completion_tokens if constant else None))
+    return {"advantage": GroupNormalized(std_scope=settings.advantage_std_scope),
+            "loss": ClippedSurrogate(aggregation=settings.loss_aggregation,
+                                     max_completion_tokens=settings.max_completion_tokens if constant else None)}
 
 
 def cache_dir() -> Path:
@@ -133,9 +133,8 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
     )
     memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size,
                         merge_lora_for_sampling=s.merge_lora_for_sampling)
-    advantage, loss = recipe_components(s)
     trainer = GRPOTrainer(model, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
-                          template=template, advantage=advantage, loss=loss)
+                          template=template, **recipe_components(s))
     history = trainer.train()
     after = accuracy(trainer.model)
     plot_reward_curve(history, out / "reward_curve.png", before=before, after=after)

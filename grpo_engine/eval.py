@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from grpo_engine.data.templates import PromptTemplate, default_template
+from grpo_engine.ops.answers import answers_equal, final_answer
 from grpo_engine.protocols import RewardFn
-from grpo_engine.rewards.math import answers_equal, final_answer
 from grpo_engine.sampling.decode import TokenDraw, completion_mask_from_ids, decode, is_decoder_lm
 from grpo_engine.sampling.hf import HFSampler, resolve_decoding
 from grpo_engine.sampling.static import decode_static

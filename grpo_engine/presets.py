@@ -1,7 +1,7 @@
 """Presets of the GRPO family: plain functions that return the components, never strings.
 
-Each preset returns a :class:`Recipe` (an advantage, a loss, optional dynamic sampling and extra
-rewards) set as its paper sets them; pass it to the trainer with
+Each preset returns a :class:`Recipe` (an advantage, a loss composed from the loss terms, an optional
+sampler wrapper and extra rewards) set as its paper sets them; pass it to the trainer with
 ``GRPOTrainer(..., rewards=[MathAccuracy(), *recipe.extra_rewards], **recipe.components())``.
 
 - ``grpo()``: group z-score; PPO clip 0.2, per-sequence mean, k3 KL in the loss (beta 0.04).
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_engine.advantages import RLOO, GroupNormalized, MeanBaseline
-from grpo_engine.losses import CISPO, GSPO, ClippedSurrogate
-from grpo_engine.protocols import AdvantageFn, GRPOLoss, RewardFn
+from grpo_engine.losses import CISPO, GSPO, ClippedSurrogate, KLPenalty
+from grpo_engine.protocols import AdvantageFn, GRPOLoss, RewardFn, SamplerWrapper
 from grpo_engine.rewards.length import OverlongPenalty
 from grpo_engine.sampling.dynamic import DynamicSampling
 
@@ -35,24 +35,25 @@ class Recipe:
     Attributes:
         advantage: the AdvantageFn.
         loss: the GRPOLoss.
-        dynamic_sampling: DAPO's group filter, or None.
+        sampler: a sampler wrapper (DAPO's dynamic sampling), or None.
         extra_rewards: rewards the variant adds to the task's own (e.g. DAPO's overlong penalty).
     """
 
     advantage: AdvantageFn
     loss: GRPOLoss
-    dynamic_sampling: DynamicSampling | None = None
+    sampler: SamplerWrapper | None = None
     extra_rewards: tuple[RewardFn, ...] = field(default_factory=tuple)
 
     def components(self) -> dict[str, Any]:
-        """Keyword arguments for ``GRPOTrainer`` (advantage, loss, dynamic_sampling)."""
-        return {"advantage": self.advantage, "loss": self.loss, "dynamic_sampling": self.dynamic_sampling}
+        """Keyword arguments for ``GRPOTrainer``: advantage, loss and (when the recipe has one) sampler."""
+        extra = {"sampler": self.sampler} if self.sampler is not None else {}
+        return {"advantage": self.advantage, "loss": self.loss, **extra}
 
 
 def grpo(kl_coef: float = 0.04, clip_eps: float = 0.2) -> Recipe:
     """GRPO as in DeepSeekMath: z-scored group advantages, per-sequence mean, k3 KL in the loss."""
-    return Recipe(GroupNormalized(), ClippedSurrogate(clip_eps_low=clip_eps, kl_coef=kl_coef, kl_estimator="k3",
-                                                      aggregation="sequence"))
+    return Recipe(GroupNormalized(), ClippedSurrogate(clip_eps_low=clip_eps, aggregation="sequence",
+                                                      terms=(KLPenalty(kl_coef, "k3"),) if kl_coef > 0 else ()))
 
 
 def dr_grpo(max_completion_tokens: int, clip_eps: float = 0.2) -> Recipe:
@@ -75,7 +76,7 @@ def dapo(max_completion_tokens: int, cache_tokens: int, max_sampling_rounds: int
     return Recipe(
         GroupNormalized(),
         ClippedSurrogate(clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token"),
-        dynamic_sampling=DynamicSampling(max_rounds=max_sampling_rounds, key=accuracy_key),
+        sampler=DynamicSampling(max_rounds=max_sampling_rounds, key=accuracy_key),
         extra_rewards=(OverlongPenalty(max_completion_tokens, cache_tokens),),
     )
 

@@ -68,6 +68,10 @@ class RunSpec(FrozenModel):
     advantage: ComponentSpec | None = Field(None, description="AdvantageFn; default group z-score.")
     loss: ComponentSpec | None = Field(None, description="GRPOLoss; default ClippedSurrogate().")
     template: ComponentSpec | None = Field(None, description="Prompt template; default the chat template.")
+    sampler: ComponentSpec | None = Field(
+        None, description="Sampler or sampler wrapper (e.g. grpo_engine.sampling.DynamicSampling); default HFSampler.")
+    entropy: ComponentSpec | None = Field(None, description="EntropyEstimator (per-group uncertainty); default none.")
+    callbacks: list[ComponentSpec] = Field(default_factory=list, description="Callbacks (grpo_engine.callbacks).")
     config: GRPOConfig = Field(default_factory=GRPOConfig, description="Numbers and switches (GRPOConfig).")
     memory: MemoryPlan = Field(default_factory=MemoryPlan, description="Memory plan (MemoryPlan).")
 

@@ -1,15 +1,15 @@
 """GRPOTrainer: assembles the components and runs the six-stage GRPO step.
 
-    1. sample a group of completions per prompt          (Sampler; DynamicSampling repeats 1-2)
-    2. score them, with a per-reward breakdown           (WeightedSum of RewardFn)
-    3. old / reference log-probs without gradient, only when needed (mu > 1, a KL term or penalty)
-    4. per-group uncertainty (optional) and advantages   (EntropyEstimator, AdvantageFn), after an
-       optional KL penalty on the rewards                (KLRewardPenalty)
+    1. sample a group of completions per prompt          (Sampler; a SamplerWrapper may filter groups)
+    2. score them, with a per-reward breakdown, and the per-group uncertainty (WeightedSum, EntropyEstimator)
+    3. old / reference log-probs without gradient, only when needed, then the reward transforms
+       that need them (a KL penalty in the reward)
+    4. advantages                                       (AdvantageFn)
     5. micro-batched loss and backward, normalised by step-global counts (GRPOLoss)
-    6. optimizer step, metrics (and every ``eval_every_steps`` greedy pass@1 on eval_prompts), checkpoint
+    6. optimizer step and metrics; callbacks (evaluation, controllers, user code) run after
 
-No algorithm math lives here: the trainer moves tensors between components, reduces metrics
-and logs them.
+No algorithm math lives here: the trainer moves tensors between components, reduces metrics,
+logs them and calls the callbacks (grpo_engine.callbacks).
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo_engine.advantages import GroupNormalized, zero_std_fraction
+from grpo_engine.advantages import GroupNormalized
+from grpo_engine.callbacks import Callback, TrainerControl, TrainerState
 from grpo_engine.checkpoint import save_pretrained_atomic
 from grpo_engine.config import GRPOConfig
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.data.templates import PromptTemplate
-from grpo_engine.entropy.control import AdaptiveTemperature, collapsed_fraction
-from grpo_engine.entropy.token import token_entropy_mean
 from grpo_engine.eval import evaluate
 from grpo_engine.logging import MetricsLogger, StageTimer
 from grpo_engine.logprobs import completion_logprobs
-from grpo_engine.losses import ClippedSurrogate, KLRewardPenalty
+from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.memory.apply import (
     ReferencePolicy,
     activation_offload,
@@ -44,9 +43,19 @@ from grpo_engine.memory.apply import (
 )
 from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.models import load_model
-from grpo_engine.protocols import AdvantageFn, EntropyEstimator, GRPOLoss, RewardFn, Sampler
+from grpo_engine.ops.groups import zero_std_fraction
+from grpo_engine.ops.tokens import token_entropy_mean
+from grpo_engine.protocols import (
+    AdvantageFn,
+    EntropyEstimator,
+    GRPOLoss,
+    PromptSource,
+    RewardFn,
+    Sampler,
+    SamplerWrapper,
+)
 from grpo_engine.rewards import WeightedSum
-from grpo_engine.sampling.dynamic import DynamicSampling
+from grpo_engine.sampling.dynamic import select_groups
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.types import MicroBatch, Prompt, RewardOutput, RolloutBatch
 
@@ -58,36 +67,26 @@ class GRPOTrainer:
 
     Args:
         model: a local folder / hub id, or an already built transformers causal LM.
-        rewards: reward functions (combined by their weights), or a ``WeightedSum``.
-        train_prompts: the training prompts; each carries its reference answer in ``target``.
+        rewards: reward functions (combined by their weights) and reward transforms (e.g.
+            ``KLRewardPenalty``), or a ``WeightedSum``.
+        prompts: the training prompts (each carries its reference answer in ``target``), served by
+            a seeded ``PromptStream``, or a ``PromptSource`` (e.g. ``InformativeCurriculum``).
         config: numbers and switches of the run.
         memory: how the model is held and trained (LoRA, checkpointing, optimizer, micro-batch).
         tokenizer: required when ``model`` is a module.
-        sampler: defaults to ``HFSampler`` on the policy.
+        sampler: a ``Sampler``, or a ``SamplerWrapper`` (``DynamicSampling``) bound to the default
+            one; default ``HFSampler`` on the policy.
         advantage: defaults to ``GroupNormalized()`` (group z-score).
         loss: defaults to ``ClippedSurrogate()`` (PPO clip 0.2, per-sequence mean, no KL).
-        entropy: optional per-group uncertainty passed to the advantage function.
-        template: renders prompts for the default sampler and the evaluation (chat template when the
-            tokenizer has one).
-        eval_prompts: held-out prompts; every ``config.eval_every_steps`` steps their greedy pass@1
-            (``grpo_engine.eval.evaluate``) is added to that step's metrics as ``eval/pass@1``.
-        eval_reward: decides correctness in that evaluation; defaults to the first of ``rewards``
-            (put the correctness reward, e.g. ``MathAccuracy``, first).
-        dynamic_sampling: DAPO's filter: train only on groups with unequal rewards, topping the
-            batch up from fresh prompts (``grpo_engine.sampling.DynamicSampling``).
-        kl_penalty: KL to the reference subtracted from each completion's reward before the
-            advantages (``grpo_engine.losses.KLRewardPenalty``), instead of a KL term in the loss.
-        temperature_control: sets the next step's sampling temperature from the groups' semantic
-            entropy and accuracy (``grpo_engine.entropy.AdaptiveTemperature``); needs ``entropy``.
-        prompt_source: where prompts come from (default a seeded ``PromptStream``); one with an
-            ``update(prompts, accuracy, semantic_entropy)`` method (``InformativeCurriculum``) is told
-            how every sampled group did.
-        accuracy_reward: the breakdown name whose group mean is "accuracy" for the controller and
-            the curriculum (default: the first reward).
+        entropy: optional per-group uncertainty, passed to the advantage function and callbacks.
+        template: renders prompts for the default sampler and for ``evaluate`` (chat template when
+            the tokenizer has one).
+        callbacks: ``Callback`` objects (``HeldOutEval``, ``AdaptiveTemperature``, your own).
 
     Example:
         >>> # trainer = GRPOTrainer("HuggingFaceTB/SmolLM2-135M-Instruct", [MathAccuracy()], prompts,
-        >>> #                       config=GRPOConfig(max_steps=20), memory=MemoryPlan(lora=LoRA()))
+        >>> #                       config=GRPOConfig(max_steps=20), memory=MemoryPlan(lora=LoRA()),
+        >>> #                       callbacks=[HeldOutEval(test_prompts, every_steps=10)])
         >>> # trainer.train()
     """
 
@@ -95,23 +94,17 @@ class GRPOTrainer:
         self,
         model: str | Path | nn.Module,
         rewards: Sequence[RewardFn] | WeightedSum,
-        train_prompts: Sequence[Prompt],
+        prompts: Sequence[Prompt] | PromptSource,
         config: GRPOConfig | None = None,
         memory: MemoryPlan | None = None,
         *,
         tokenizer: Any = None,
-        sampler: Sampler | None = None,
+        sampler: Sampler | SamplerWrapper | None = None,
         advantage: AdvantageFn | None = None,
         loss: GRPOLoss | None = None,
         entropy: EntropyEstimator | None = None,
         template: PromptTemplate | None = None,
-        eval_prompts: Sequence[Prompt] | None = None,
-        eval_reward: RewardFn | None = None,
-        dynamic_sampling: DynamicSampling | None = None,
-        kl_penalty: KLRewardPenalty | None = None,
-        temperature_control: AdaptiveTemperature | None = None,
-        prompt_source: Any = None,
-        accuracy_reward: str | None = None,
+        callbacks: Sequence[Callback] = (),
     ) -> None:
         self.config = config = config if config is not None else GRPOConfig()
         self.memory = memory = memory if memory is not None else MemoryPlan()
@@ -121,57 +114,63 @@ class GRPOTrainer:
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         if tokenizer is None:
             raise ValueError("a model object needs its tokenizer: pass GRPOTrainer(model, ..., tokenizer=tokenizer)")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.template = tokenizer, template
         self.model = prepare_model(model, memory)
         self.rewards = rewards if isinstance(rewards, WeightedSum) else WeightedSum(list(rewards))
-        self.prompts = prompt_source if prompt_source is not None else PromptStream(
-            list(train_prompts), config.prompts_per_step, seed=config.seed)
-        self.sampler = sampler if sampler is not None else HFSampler(
-            self.model, tokenizer, template=template, max_prompt_tokens=config.max_prompt_tokens,
-            max_completion_tokens=config.max_completion_tokens, temperature=config.temperature,
-            top_p=config.top_p, top_k=config.top_k, share_prompt=memory.share_prompt,
-            merge_lora=memory.merge_lora_for_sampling, decoding=memory.decoding,
-            return_logprobs=any(getattr(c, "requires_sampler_logprobs", False) for c in (loss, entropy)),
-        )
+        self.prompts: PromptSource = prompts if isinstance(prompts, PromptSource) else PromptStream(
+            list(prompts), config.prompts_per_step, seed=config.seed)
         self.advantage = advantage if advantage is not None else GroupNormalized()
         self.loss = loss if loss is not None else ClippedSurrogate()
         self.entropy = entropy
-        self.dynamic_sampling = dynamic_sampling
-        self.kl_penalty = kl_penalty
-        self.temperature = config.temperature  # in force; a temperature controller may change it
-        self.temperature_control = temperature_control
-        if temperature_control is not None and entropy is None:
-            raise ValueError("temperature_control needs per-group semantic entropy: pass "
-                             "entropy=SemanticEntropy(normalize=True) as well")
-        start = getattr(temperature_control, "temperature", config.temperature)
-        if abs(start - config.temperature) > 1e-9:  # else its first update would step from another value
-            raise ValueError(f"temperature_control starts at {start} but config.temperature={config.temperature}: "
-                             f"pass AdaptiveTemperature(initial={config.temperature}, ...)")
-        self.accuracy_reward = accuracy_reward or self.rewards.names[0]
-        self.template = template
-        self.eval_prompts = list(eval_prompts or [])
-        self.eval_reward = eval_reward if eval_reward is not None else self.rewards.rewards[0]
-        if config.eval_every_steps and not self.eval_prompts:
-            warnings.warn(f"eval_every_steps={config.eval_every_steps} but no eval_prompts were given, so no "
-                          "held-out evaluation will run; pass GRPOTrainer(..., eval_prompts=test_prompts)",
-                          stacklevel=2)
-        needs_reference = self.loss.requires_ref_logprobs or kl_penalty is not None
+        if sampler is None or isinstance(sampler, SamplerWrapper):
+            default = HFSampler(
+                self.model, tokenizer, template=template, max_prompt_tokens=config.max_prompt_tokens,
+                max_completion_tokens=config.max_completion_tokens, temperature=config.temperature,
+                top_p=config.top_p, top_k=config.top_k, share_prompt=memory.share_prompt,
+                merge_lora=memory.merge_lora_for_sampling, decoding=memory.decoding,
+                return_logprobs=self.loss.requires.sampler_logprobs or bool(
+                    entropy is not None and entropy.requires_sampler_logprobs))
+            sampler = default if sampler is None else sampler.bind(default, self.rewards, self.prompts)
+        self.sampler: Sampler = sampler
+        needs_reference = self.loss.requires.ref_logprobs or self.rewards.requires.ref_logprobs
         self.reference = ReferencePolicy(self.model, memory) if needs_reference else None
-        self.optimizer = build_optimizer(
-            self.model, memory, learning_rate=config.learning_rate, betas=config.adam_betas,
-            eps=config.adam_eps, weight_decay=config.weight_decay,
-        )
-        self.train_seconds = 0.0  # time spent in step(), less its held-out evaluations: max_train_seconds' clock
+        self.callbacks = list(callbacks)
+        self.state = TrainerState(max_steps=config.max_steps, temperature=config.temperature,
+                                  output_dir=config.output_dir)
+        self.control = TrainerControl()
+        self.optimizer = build_optimizer(self.model, memory, learning_rate=config.learning_rate,
+                                         betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.step_count = 0
         self.history: list[dict[str, float]] = []
         self._metric_keys: tuple[str, ...] = ("loss",)
         self._warned_zero_std = False
+        self._event("on_init")
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps done."""
+        return self.state.step
+
+    @property
+    def train_seconds(self) -> float:
+        """Seconds spent in ``step()`` (callbacks excluded): ``max_train_seconds``' clock."""
+        return self.state.train_seconds
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature in force (log-probs are computed at it too)."""
+        return self.sampler.temperature
+
+    def set_temperature(self, temperature: float) -> None:
+        """Samples (and scores log-probs) at ``temperature`` from the next step on."""
+        self.sampler.temperature = temperature
+        self.state.temperature = temperature
 
     # -- the loop --------------------------------------------------------------------------------
 
     def train(self) -> list[dict[str, float]]:
-        """Runs ``config.max_steps`` steps (minus those already done); returns every step's metrics."""
+        """Runs ``config.max_steps`` steps (minus those already done, and stopping at ``max_train_seconds``
+        or when a callback sets ``control.should_stop``); returns every step's metrics."""
         cfg = self.config
         out = Path(cfg.output_dir)
         if self.step_count == 0 and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size:
@@ -179,112 +178,109 @@ class GRPOTrainer:
                                   "mix its metrics with it and replace its saved model. Choose another "
                                   "output_dir, or move the old run away first")
         total = None if cfg.max_train_seconds else cfg.max_steps
+        self._event("on_train_start")
         with MetricsLogger(out, total_steps=total, progress_bar=cfg.progress_bar,
                            initial_step=self.step_count) as logger:
-            while self.step_count < cfg.max_steps:
+            while self.step_count < cfg.max_steps and not self.control.should_stop:
                 if cfg.max_train_seconds is not None and self.train_seconds >= cfg.max_train_seconds:
                     break
                 metrics = self.step()
-                write = self.step_count % cfg.log_every_steps == 0 or "eval/pass@1" in metrics  # never lose an eval
-                logger.log(self.step_count, metrics, write=write)
-                if cfg.save_every_steps and self.step_count % cfg.save_every_steps == 0:
+                write = self.step_count % cfg.log_every_steps == 0 or any(k.startswith("eval/") for k in metrics)
+                logger.log(self.step_count, metrics, write=write)  # an evaluation is never lost
+                if self.control.should_save or (cfg.save_every_steps and self.step_count % cfg.save_every_steps == 0):
                     self.save(out / f"checkpoint-{self.step_count}")
+                self.control.should_save = False
         self.save(out / "final")
+        self._event("on_train_end")
         return self.history
 
     def step(self) -> dict[str, float]:
         """One optimizer step (``updates_per_batch`` of them on one rollout batch); returns its metrics."""
         cfg, timer = self.config, StageTimer()
-        observed: list[tuple[Tensor, Tensor | None]] = []  # (accuracy [b], semantic entropy [b]) of each draw
-
-        def draw(num_prompts: int) -> tuple[RolloutBatch, RewardOutput]:
-            # 1. sample a group of completions for each prompt
-            with timer("sample"), self._autocast():
-                batch = self.sampler.sample(self.prompts.next_batch(num_prompts), group_size=cfg.group_size)
-            # 2. score, with the per-reward breakdown
-            with timer("reward"):
-                rewards = self.rewards(batch)
-            self._observe(batch, rewards, observed)
-            return batch, rewards
-
-        step_stats: dict[str, float] = {}
-        if self.dynamic_sampling is None:
-            batch, rewards = draw(cfg.prompts_per_step)
-        else:  # stages 1-2 repeat until the batch is full of groups with a learning signal
-            batch, rewards, step_stats = self.dynamic_sampling(draw, cfg.prompts_per_step)
-
-        # 3. old and reference log-probs, without gradient and only when needed
+        temperature, lr = self.temperature, self.scheduler.get_last_lr()[0]
+        # 1. sample a group of completions for each prompt
+        with timer("sample"), self._autocast():
+            batch = self.sampler.sample(self.prompts.next_batch(cfg.prompts_per_step), group_size=cfg.group_size)
+        # 2. score (unless the sampler had to), and the per-group uncertainty; every group drawn is observed
+        with timer("reward"):
+            rewards = batch.rewards if batch.rewards is not None else self.rewards(batch)
+            uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
+        self.prompts.observe(batch, rewards, uncertainty)
+        self._event("on_rollout", batch=batch, rewards=rewards, uncertainty=uncertainty)
+        batch, rewards, uncertainty = _trained_groups(batch, rewards, uncertainty)
+        # 3. old and reference log-probs, only when needed; then the reward transforms that need them
         with timer("logprobs"), self._autocast():
-            # for mu > 1 the first update's forward pass runs the sampling policy itself and records its
-            # log-probs (_update); a separate pass is needed for KL in the reward (before the advantages)
-            # and under LoRA dropout (the training forward is then noisier than the sampling policy)
-            needs_old = self.kl_penalty is not None or (cfg.updates_per_batch > 1 and not self._can_record_old())
-            old = self._logprobs(batch, self.model) if needs_old else None
-            ref = None
-            if self.reference is not None:
-                with self.reference.active() as ref_model:
-                    ref = self._logprobs(batch, ref_model)
-        if self.kl_penalty is not None:  # KL in the reward: shapes the advantages, not the loss
-            penalty = self.kl_penalty(old, ref, batch.completion_mask.cpu()).reshape(rewards.total.shape)
-            rewards = RewardOutput(total=rewards.total - penalty.to(rewards.total.device),
-                                   breakdown={**rewards.breakdown, "kl_penalty": penalty})
-            old = old if cfg.updates_per_batch > 1 else None
-
-        # 4. uncertainty (optional) and advantages
-        uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
+            old, ref = self._no_grad_logprobs(batch)
+        rewards = self.rewards.transform(rewards, batch, old_logprobs=old, ref_logprobs=ref)
+        old = old if cfg.updates_per_batch > 1 or self.loss.requires.old_logprobs else None
+        # 4. advantages
         advantages = self.advantage(rewards.total, uncertainty=uncertainty).reshape(-1)  # [N]
-        if uncertainty is not None:
-            step_stats["entropy/semantic_mean"] = uncertainty.float().mean().item()
-
         # 5. micro-batched loss and backward, 6. optimizer step (mu times on this batch)
-        loss_metrics: dict[str, float] = {}
-        lr = self.scheduler.get_last_lr()[0]
         with timer("train"):
-            for update in range(cfg.updates_per_batch):
-                record = None
-                if old is None and update + 1 < cfg.updates_per_batch:  # later updates need the sampling policy's
-                    record = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
-                loss_metrics = self._update(batch, advantages, old, ref, record=record)
-                old = record if record is not None else old
-
-        step_stats["temperature"] = self.temperature
-        if self.temperature_control is not None:  # the next step samples at the new temperature
-            accuracy = torch.cat([a for a, _ in observed])
-            entropy = torch.cat([e for _, e in observed])
-            step_stats["entropy/collapsed_fraction"] = collapsed_fraction(
-                entropy, accuracy, self.temperature_control.collapse_entropy).item()
-            self.temperature = self.temperature_control.update(entropy, accuracy)
-            if hasattr(self.sampler, "temperature"):
-                self.sampler.temperature = self.temperature
-
-        self.step_count += 1
-        held_out: dict[str, float] = {}
-        if cfg.eval_every_steps and self.eval_prompts and self.step_count % cfg.eval_every_steps == 0:
-            with timer("eval"):
-                held_out = self.evaluate()
+            loss_metrics = self._updates(batch, advantages, old, ref)
+        self.state.step += 1
         seconds = timer.seconds()
-        self.train_seconds += seconds["time/step_s"] - seconds.get("time/eval_s", 0.0)
-        self.scheduler.step()  # once per step, not per mu update; after the clock, which a time budget's decay reads
-        metrics = {**self._batch_metrics(batch, rewards), **step_stats, **loss_metrics, **held_out, **seconds}
-        metrics["lr"] = lr
+        self.state.train_seconds += seconds["time/step_s"]
+        self.scheduler.step()  # once per step, after the clock, which a time budget's decay reads
+        metrics = {**self._batch_metrics(batch, rewards), **batch.metrics, **loss_metrics, **seconds,
+                   "temperature": temperature, "lr": lr}
+        if uncertainty is not None:
+            metrics["entropy/semantic_mean"] = uncertainty.float().mean().item()
         metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
+        self._event("on_step_end", metrics=metrics)
         self.history.append(metrics)
         return metrics
 
-    def evaluate(self, prompts: Sequence[Prompt] | None = None) -> dict[str, float]:
-        """Greedy pass@1 of the current policy on ``prompts`` (default: ``eval_prompts``).
+    def evaluate(self, prompts: Sequence[Prompt], *, reward: RewardFn | None = None,
+                 max_new_tokens: int | None = None) -> dict[str, float]:
+        """Greedy pass@1 of the current policy on ``prompts``: ``{"eval/pass@1": ...}``.
 
-        Uses the trainer's template (else the sampler's), ``eval_max_completion_tokens`` (else
-        ``max_completion_tokens``) and ``eval_reward``; returns ``{"eval/pass@1": ...}``.
+        Uses the trainer's template (the chat template when none was given), ``reward`` (default:
+        the first reward) and ``max_new_tokens`` (default: ``max_completion_tokens``).
         """
-        cfg = self.config
-        prompts = prompts if prompts is not None else self.eval_prompts
-        template = self.template if self.template is not None else getattr(self.sampler, "template", None)
         with self._autocast():
-            report = evaluate(self.model, self.tokenizer, prompts, self.eval_reward, template=template,
-                              max_new_tokens=cfg.eval_max_completion_tokens or cfg.max_completion_tokens,
-                              batch_size=cfg.completions_per_step, progress=False)
+            report = evaluate(self.model, self.tokenizer, prompts, reward or self.rewards.rewards[0],
+                              template=self.template, batch_size=self.config.completions_per_step, progress=False,
+                              max_new_tokens=max_new_tokens or self.config.max_completion_tokens)
         return {f"eval/{name}": value for name, value in report.metrics.items()}
+
+    def save(self, path: str | Path) -> Path:
+        """Saves the policy (the adapter under LoRA), the tokenizer and the run's config files."""
+        extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml()}
+        saved = save_pretrained_atomic(self.model, self.tokenizer, path, extras)
+        self._event("on_save", path=saved)
+        return saved
+
+    # -- the stages' helpers -------------------------------------------------------------------
+
+    def _event(self, name: str, **kwargs: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, name)(self, self.state, self.control, **kwargs)
+
+    def _no_grad_logprobs(self, batch: RolloutBatch) -> tuple[Tensor | None, Tensor | None]:
+        """(old, reference) [N, C] log-probs, each only when something needs it. For mu > 1 the first
+        update's forward records the sampling policy's log-probs itself (``_updates``), unless LoRA
+        dropout makes the training forward noisier than sampling."""
+        mu_old = self.config.updates_per_batch > 1 and not self._can_record_old()
+        needs_old = mu_old or self.loss.requires.old_logprobs or self.rewards.requires.old_logprobs
+        old = self._logprobs(batch, self.model) if needs_old else None
+        ref = None
+        if self.reference is not None:
+            with self.reference.active() as ref_model:
+                ref = self._logprobs(batch, ref_model)
+        return old, ref
+
+    def _updates(self, batch: RolloutBatch, advantages: Tensor, old: Tensor | None, ref: Tensor | None
+                 ) -> dict[str, float]:
+        """``updates_per_batch`` policy updates on the batch; the metrics of the last one."""
+        loss_metrics: dict[str, float] = {}
+        for update in range(self.config.updates_per_batch):
+            record = None
+            if old is None and update + 1 < self.config.updates_per_batch:  # later updates need the sampling policy's
+                record = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
+            loss_metrics = self._update(batch, advantages, old, ref, record=record)
+            old = record if record is not None else old
+        return loss_metrics
 
     def _update(self, batch: RolloutBatch, advantages: Tensor, old: Tensor | None, ref: Tensor | None,
                 record: Tensor | None = None) -> dict[str, float]:
@@ -322,7 +318,7 @@ class GRPOTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens, num_sequences = self._counts(batch)
-        pass_entropy = bool(getattr(self.loss, "requires_entropy", False))
+        pass_entropy = self.loss.requires.entropy
         with_entropy = pass_entropy or self.config.log_token_entropy
         sums: dict[str, float] = dict.fromkeys(self._metric_keys, 0.0)
         if with_entropy:
@@ -336,7 +332,7 @@ class GRPOTrainer:
                 # forward and loss under autocast (mixed precision), backward outside it
                 with activation_offload(self.memory), self._autocast():  # saved tensors to CPU memory, if planned
                     out = completion_logprobs(  # token entropy comes from the same chunked pass
-                        self.model, pid, pmask, cid, cmask, temperature=self.temperature,
+                        self.model, pid, pmask, cid, cmask, temperature=self.sampler.temperature,
                         chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy,
                         vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=pass_entropy,
                         share_prompt=self.memory.share_prompt)
@@ -364,35 +360,19 @@ class GRPOTrainer:
         self._metric_keys = tuple(sums)  # a step that trained no row still logs every key (as 0)
         return {key: float(value) for key, value in sums.items()}
 
-    def _observe(self, batch: RolloutBatch, rewards: RewardOutput, observed: list) -> None:
-        """Tells the temperature controller and the curriculum how every sampled group did."""
-        update = getattr(self.prompts, "update", None)
-        if self.temperature_control is None and update is None:
-            return
-        accuracy = rewards.breakdown[self.accuracy_reward].float().mean(dim=1)  # [b]
-        entropy = self.entropy(batch, rewards) if self.entropy is not None else None  # [b]
-        observed.append((accuracy, entropy))
-        if update is not None:
-            update(batch.prompts, accuracy, entropy)
-
     def _counts(self, batch: RolloutBatch) -> tuple[int, int]:
-        """Step-global (valid tokens, sequences) the loss normalises by; the loss may exclude rows."""
-        counts = getattr(self.loss, "counts", None)
-        if counts is not None:
-            tokens, sequences = counts(batch.completion_mask, batch.is_truncated)
-            return int(tokens), int(sequences)
-        return int(batch.completion_mask.sum()), batch.num_completions
+        """Step-global (valid tokens, sequences) the loss normalises by (the loss may leave rows out)."""
+        tokens, sequences = self.loss.counts(batch.completion_mask, batch.is_truncated)
+        return int(tokens), int(sequences)
 
     def _can_record_old(self) -> bool:
         """Whether a training forward pass computes exactly the sampling policy's log-probs (no dropout)."""
         return self.memory.lora is None or self.memory.lora.dropout == 0
 
     def _rows_to_train(self, advantages: Tensor) -> Tensor:
-        """Rows that can change the gradient: rows with advantage 0 are skipped when the loss says so."""
+        """Rows that can change the gradient: rows with advantage 0 are skipped when the loss allows it."""
         rows = torch.arange(advantages.shape[0])
-        if getattr(self.loss, "needs_zero_advantage_rows", True):
-            return rows
-        return rows[advantages != 0]
+        return rows if self.loss.requires.zero_advantage_rows else rows[advantages != 0]
 
     @torch.no_grad()
     def _logprobs(self, batch: RolloutBatch, model: nn.Module) -> Tensor:
@@ -401,7 +381,7 @@ class GRPOTrainer:
         for idx in torch.arange(batch.num_completions).split(self.memory.micro_batch_size):
             pid, pmask, cid, cmask = batch.trimmed(idx)
             out[idx, :cid.shape[1]] = completion_logprobs(
-                model, pid, pmask, cid, cmask, temperature=self.temperature,
+                model, pid, pmask, cid, cmask, temperature=self.sampler.temperature,
                 chunk_size=self.memory.logprob_chunk_size, vocab_tile=self.memory.logprob_vocab_tile,
                 share_prompt=self.memory.share_prompt).cpu()
         return out
@@ -410,7 +390,7 @@ class GRPOTrainer:
         """Mixed precision: ``torch.autocast`` to ``memory.compute_dtype`` when it differs from ``dtype``."""
         return autocast(self.memory, next(self.model.parameters()).device)
 
-    # -- metrics, schedule, saving ----------------------------------------------------------
+    # -- metrics, schedule ---------------------------------------------------------------------
 
     def _batch_metrics(self, batch: RolloutBatch, rewards: RewardOutput) -> dict[str, float]:
         lengths = batch.completion_lengths.float()
@@ -448,7 +428,12 @@ class GRPOTrainer:
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    def save(self, path: str | Path) -> Path:
-        """Saves the policy (the adapter under LoRA), the tokenizer and the run's config files."""
-        extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml()}
-        return save_pretrained_atomic(self.model, self.tokenizer, path, extras)
+
+def _trained_groups(batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None
+                    ) -> tuple[RolloutBatch, RewardOutput, Tensor | None]:
+    """The groups the sampler marked for training (all of them when it marked none)."""
+    if batch.trained_groups is None or bool(batch.trained_groups.all()):
+        return batch, rewards, uncertainty
+    groups = batch.trained_groups.nonzero().flatten()
+    batch, rewards = select_groups(batch, rewards, groups)
+    return batch, rewards, uncertainty[groups.to(uncertainty.device)] if uncertainty is not None else None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Message", "Prompt", "RolloutBatch", "RewardOutput", "MicroBatch", "LossOutput"]
+__all__ = ["Message", "Prompt", "RolloutBatch", "RewardOutput", "MicroBatch", "LossOutput", "Requirements"]
 
 Message = Mapping[str, str]  # {"role": "user", "content": "..."}
 
@@ -83,6 +83,12 @@ class RolloutBatch:
         texts: the N decoded completions (special tokens removed).
         sampler_logprobs: [N, C] log-probabilities of the sampled ids under the sampling
             distribution at the sampling temperature, or None when the sampler does not report them.
+        rewards: the batch's rewards when the sampler had to score it (DAPO's dynamic sampling
+            filters on them); the trainer then does not score it again. None otherwise.
+        trained_groups: [B] bool, the groups to train on, or None for all of them. A sampler that
+            filters groups keeps the dropped ones in the batch, marked False, so callbacks and the
+            prompt source hear about every group drawn.
+        metrics: numbers the sampler reports for the step's log (e.g. ``dynamic_sampling/rounds``).
     """
 
     prompts: tuple[Prompt, ...]
@@ -94,6 +100,9 @@ class RolloutBatch:
     is_truncated: Tensor  # [N] bool
     texts: tuple[str, ...]
     sampler_logprobs: Tensor | None = None  # [N, C]
+    rewards: RewardOutput | None = None  # total / breakdown [B, G]
+    trained_groups: Tensor | None = None  # [B] bool
+    metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
         n = len(self.prompts) * self.group_size
@@ -108,6 +117,13 @@ class RolloutBatch:
         bad = {k: v for k, v in shapes.items() if v != n}
         if bad:
             raise ValueError(f"RolloutBatch rows must all equal B*G={n}; got {bad}")
+        b = len(self.prompts)
+        if self.trained_groups is not None and tuple(self.trained_groups.shape) != (b,):
+            raise ValueError(f"RolloutBatch.trained_groups shape {tuple(self.trained_groups.shape)} must be [B]=[{b}]; "
+                             "pass one bool per prompt group")
+        if self.rewards is not None and tuple(self.rewards.total.shape) != (b, self.group_size):
+            raise ValueError(f"RolloutBatch.rewards.total shape {tuple(self.rewards.total.shape)} must be "
+                             f"[B, G]=[{b}, {self.group_size}]")
 
     @property
     def num_prompts(self) -> int:
@@ -187,6 +203,32 @@ class MicroBatch:
     is_truncated: Tensor | None = None  # [n] bool
     entropy: Tensor | None = None  # [n, C]
     sampler_logprobs: Tensor | None = None  # [n, C]
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a component needs the trainer to compute for it, read once when the trainer is built.
+
+    Attributes:
+        ref_logprobs: reference-policy log-probs (``MicroBatch.ref_logprobs``, or a reward
+            transform's ``ref_logprobs``); the trainer then keeps a reference policy.
+        old_logprobs: the sampling policy's log-probs from a separate no-grad pass, even when
+            ``updates_per_batch == 1``.
+        sampler_logprobs: the sampler's own log-probs of the sampled tokens.
+        entropy: the token entropy with gradient (``MicroBatch.entropy``).
+        zero_advantage_rows: a completion with advantage 0 can change the loss; False lets the
+            trainer skip its forward and backward (a loss whose every term is scaled by A).
+
+    Example:
+        >>> Requirements(ref_logprobs=True).entropy
+        False
+    """
+
+    ref_logprobs: bool = False
+    old_logprobs: bool = False
+    sampler_logprobs: bool = False
+    entropy: bool = False
+    zero_advantage_rows: bool = True
 
 
 @dataclass(frozen=True)

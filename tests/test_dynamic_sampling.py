@@ -27,42 +27,68 @@ def fake_batch(rewards_rows, start, prompt_width=3, completion_width=4):
 
 
 class Script:
-    """draw(k) returns scripted rounds, recording how many prompts each round asked for."""
+    """A sampler of scripted rounds (one reward row per group), its reward function, and a prompt
+    source; records how many prompts each round got and how many the source was asked for."""
 
-    def __init__(self, rounds):
-        self.rounds, self.asked, self.start = list(rounds), [], 0
+    temperature = 1.0
 
-    def __call__(self, k):
-        self.asked.append(k)
-        rows = self.rounds.pop(0)[:k]
-        out = fake_batch(rows, self.start)
+    def __init__(self, rounds, breakdown=None):
+        self.rounds, self.asked, self.refills, self.start, self.scores = list(rounds), [], [], 0, {}
+        self.breakdown = breakdown
+
+    def sample(self, prompts, *, group_size):
+        self.asked.append(len(prompts))
+        rows = self.rounds.pop(0)[:len(prompts)]
+        batch, rewards = fake_batch(rows, self.start)
+        if self.breakdown is not None:
+            rewards = RewardOutput(rewards.total, {"acc": torch.tensor(self.breakdown, dtype=torch.float32)})
+        self.scores[batch.texts] = rewards
         self.start += len(rows)
-        return out
+        return batch
+
+    def score(self, batch):
+        return self.scores[batch.texts]
+
+    def next_batch(self, size=None):
+        self.refills.append(size)
+        return [Prompt("fresh")] * size
+
+
+def trained(batch):
+    return [p.question for p, keep in zip(batch.prompts, batch.trained_groups.tolist()) if keep]
+
+
+def draw(script, num_prompts, **kw):
+    return DynamicSampling(**kw).bind(script, script.score, script).sample([Prompt("q")] * num_prompts, group_size=G)
 
 
 def test_keeps_informative_groups_and_tops_up_with_fresh_prompts():
     # round 1: groups 0 and 2 tie, 1 and 3 carry signal (2 kept of 4); round 2 asks for the 2 missing
-    draw = Script([[[1, 1], [1, 0], [0, 0], [0, 1]], [[1, 0], [1, 1]], [[0, 1], [0, 1]]])
-    batch, rewards, stats = DynamicSampling(max_rounds=3)(draw, 4)
-    assert draw.asked == [4, 2, 1]
-    assert [p.question for p in batch.prompts] == ["p1", "p3", "p4", "p6"]
-    assert rewards.total.tolist() == [[1, 0], [0, 1], [1, 0], [0, 1]]
-    assert stats == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/groups_sampled": 7.0,
-                     "dynamic_sampling/groups_kept": 4.0,
-                     "reward/mean_sampled": pytest.approx(8 / 14)}  # (4 + 3 + 1) / (8 + 4 + 2)
+    script = Script([[[1, 1], [1, 0], [0, 0], [0, 1]], [[1, 0], [1, 1]], [[0, 1], [0, 1]]])
+    batch = draw(script, 4, max_rounds=3)
+    assert script.asked == [4, 2, 1] and script.refills == [2, 1]
+    assert trained(batch) == ["p1", "p3", "p4", "p6"]
+    assert batch.num_prompts == 7  # every group drawn stays in the batch, for the callbacks and the source
+    assert batch.rewards.total[batch.trained_groups].tolist() == [[1, 0], [0, 1], [1, 0], [0, 1]]
+    assert dict(batch.metrics) == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/groups_sampled": 7.0,
+                                   "dynamic_sampling/groups_kept": 4.0,
+                                   "reward/mean_sampled": pytest.approx(8 / 14)}  # (4 + 3 + 1) / (8 + 4 + 2)
     # rows follow their prompts: p3 was group 3 of round 1 -> rows 6, 7 of that batch
+    picked, _ = select_groups(batch, batch.rewards, batch.trained_groups.nonzero().flatten())
     first, _ = fake_batch([[1, 1], [1, 0], [0, 0], [0, 1]], 0)
-    assert torch.equal(batch.completion_ids[2:4], first.completion_ids[6:8])
-    assert batch.texts[2:4] == ("t0-6", "t0-7")
+    assert torch.equal(picked.completion_ids[2:4], first.completion_ids[6:8])
+    assert picked.texts[2:4] == ("t0-6", "t0-7")
 
 
 def test_bounded_rounds_and_nothing_informative():
-    draw = Script([[[1, 1], [0, 0]]] * 2)
-    batch, rewards, stats = DynamicSampling(max_rounds=2)(draw, 2)
-    assert stats["dynamic_sampling/groups_kept"] == 0 and stats["dynamic_sampling/rounds"] == 2
-    assert batch.num_prompts == 2 and rewards.total.tolist() == [[1, 1], [0, 0]]  # the last round, as is
+    script = Script([[[1, 1], [0, 0]]] * 2)
+    batch = draw(script, 2, max_rounds=2)
+    assert batch.metrics["dynamic_sampling/groups_kept"] == 0 and batch.metrics["dynamic_sampling/rounds"] == 2
+    assert trained(batch) == ["p2", "p3"]  # the last round, as is (every advantage 0)
     with pytest.raises(ValueError, match="max_rounds=0 must be >= 1"):
         DynamicSampling(max_rounds=0)
+    with pytest.raises(ValueError, match="DynamicSampling is not bound"):
+        DynamicSampling().sample([Prompt("q")], group_size=G)
 
 
 def test_concat_repads_prompts_left_and_completions_right():
@@ -80,10 +106,8 @@ def test_concat_repads_prompts_left_and_completions_right():
 
 def test_filter_on_one_reward_of_the_breakdown():
     """Totals differ in both groups, but accuracy ties in the first: only the second is kept."""
-    batch, _ = fake_batch([[1, 1], [1, 0]], 0)
-    rewards = RewardOutput(total=torch.tensor([[0.9, 1.0], [1.0, 0.0]]),
-                           breakdown={"acc": torch.tensor([[1.0, 1.0], [1.0, 0.0]])})
-    kept, kept_rewards, stats = DynamicSampling(max_rounds=1, key="acc")(lambda k: (batch, rewards), 2)
-    assert [p.question for p in kept.prompts] == ["p1"] and stats["dynamic_sampling/groups_kept"] == 1
+    script = Script([[[0.9, 1.0], [1.0, 0.0]]], breakdown=[[1.0, 1.0], [1.0, 0.0]])
+    batch = draw(script, 2, max_rounds=1, key="acc")
+    assert trained(batch) == ["p1"] and batch.metrics["dynamic_sampling/groups_kept"] == 1
     with pytest.raises(KeyError, match="key='nope'"):
-        DynamicSampling(max_rounds=1, key="nope")(lambda k: (batch, rewards), 2)
+        draw(Script([[[0.9, 1.0], [1.0, 0.0]]]), 2, max_rounds=1, key="nope")

@@ -5,13 +5,8 @@ import json
 import pytest
 import torch
 
-from grpo_engine.entropy.control import (
-    AdaptiveTemperature,
-    InformativeCurriculum,
-    PromptStats,
-    collapsed_fraction,
-    collapsed_groups,
-)
+from grpo_engine.data.curriculum import InformativeCurriculum, PromptStats
+from grpo_engine.entropy.control import AdaptiveTemperature, collapsed_fraction, collapsed_groups
 from grpo_engine.types import Prompt
 
 T = torch.tensor

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from grpo_engine import GRPOConfig, GRPOTrainer, MemoryPlan
+from grpo_engine.callbacks import Callback, HeldOutEval
 from grpo_engine.cli import main
 from grpo_engine.eval import EvalReport, evaluate, final_answer, greedy_accuracy, majority_vote, pass_at_k
 from grpo_engine.rewards import MathAccuracy, Reward
@@ -303,26 +304,31 @@ def test_cli_eval_data_errors_exit_2(model_dir, tmp_path, capsys, monkeypatch):
 # -- the trainer's periodic evaluation --------------------------------------------------------------
 
 
-def make_trainer(tmp_path, eval_prompts=None, eval_reward=None, **config):
+def make_trainer(tmp_path, callbacks=(), **config):
     tok = char_tokenizer()
     defaults = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=4, learning_rate=1e-2,
                     output_dir=str(tmp_path), progress_bar=False)
     return GRPOTrainer(tiny_llama(len(tok)), [DigitShare()], PROMPTS, tokenizer=tok, template=TEMPLATE,
                        config=GRPOConfig(**{**defaults, **config}), memory=MemoryPlan(micro_batch_size=8),
-                       eval_prompts=eval_prompts, eval_reward=eval_reward)
+                       callbacks=callbacks)
 
 
 def test_trainer_evaluate_uses_its_template_and_token_limit(tmp_path):
-    trainer = make_trainer(tmp_path, eval_max_completion_tokens=5, eval_reward=ExactMatch())
+    trainer = make_trainer(tmp_path)
     prompts = half_right(trainer.model, trainer.tokenizer, PROMPTS[:6], max_new_tokens=5)
-    assert trainer.evaluate(prompts) == {"eval/pass@1": 0.5}  # another template or limit would miss the targets
-    default = make_trainer(tmp_path)
-    assert default.eval_reward is default.rewards.rewards[0]  # the first training reward
+    # another template or limit would miss the targets
+    assert trainer.evaluate(prompts, reward=ExactMatch(), max_new_tokens=5) == {"eval/pass@1": 0.5}
+    calls = []
+    real = trainer.evaluate
+    trainer.evaluate = lambda prompts, **kw: calls.append(kw) or real(prompts, **kw)
+    HeldOutEval(prompts, every_steps=1).on_step_end(trainer, trainer.state, trainer.control, metrics={})
+    assert calls == [{"reward": None, "max_new_tokens": None}]  # the trainer's defaults: its first reward, C
+    assert real(prompts, max_new_tokens=5) == real(prompts, reward=trainer.rewards.rewards[0], max_new_tokens=5)
 
 
 def test_trainer_logs_eval_every_n_steps(tmp_path):
     prompts = PROMPTS[:4]
-    trainer = make_trainer(tmp_path, eval_prompts=prompts, eval_reward=DigitShare(), eval_every_steps=2)
+    trainer = make_trainer(tmp_path, callbacks=[HeldOutEval(prompts, every_steps=2, reward=DigitShare())])
     seen = []
     for _ in range(3):
         metrics = trainer.step()
@@ -336,7 +342,7 @@ def test_trainer_logs_eval_every_n_steps(tmp_path):
 
 def test_eval_lines_reach_metrics_jsonl_and_do_not_change_training(tmp_path):
     # build and train one after the other: a trainer seeds the global RNG when it is built
-    history = make_trainer(tmp_path / "a", eval_prompts=PROMPTS[:2], eval_every_steps=1, log_every_steps=2,
+    history = make_trainer(tmp_path / "a", callbacks=[HeldOutEval(PROMPTS[:2], every_steps=1)], log_every_steps=2,
                            max_steps=3).train()
     reference = make_trainer(tmp_path / "b", log_every_steps=2, max_steps=3).train()
     lines = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
@@ -346,14 +352,14 @@ def test_eval_lines_reach_metrics_jsonl_and_do_not_change_training(tmp_path):
         assert h["reward/mean"] == r["reward/mean"] and h["grad_norm"] == r["grad_norm"]
 
 
-def test_eval_every_steps_without_prompts_warns(tmp_path):
-    with pytest.warns(UserWarning, match="no eval_prompts were given"):
-        trainer = make_trainer(tmp_path, eval_every_steps=1, max_steps=1)
-    assert "eval/pass@1" not in trainer.step()
+def test_a_callback_can_ask_for_an_evaluation_and_the_settings_are_checked(tmp_path):
+    class AskOnce(Callback):
+        def on_step_end(self, trainer, state, control, *, metrics):
+            control.should_evaluate = state.step == 1
 
-
-def test_eval_settings_are_validated():
-    with pytest.raises(ValueError) as err:
-        GRPOConfig(eval_every_steps=0, eval_max_completion_tokens=0)
-    assert "eval_every_steps=0 must be >= 1" in str(err.value)
-    assert "eval_max_completion_tokens=0 must be >= 1" in str(err.value)
+    trainer = make_trainer(tmp_path, callbacks=[AskOnce(), HeldOutEval(PROMPTS[:2], every_steps=10)])
+    assert "eval/pass@1" in trainer.step() and "eval/pass@1" not in trainer.step()
+    with pytest.raises(ValueError, match="every_steps=0 must be an int >= 1"):
+        HeldOutEval(PROMPTS, every_steps=0)
+    with pytest.raises(ValueError, match="HeldOutEval got no prompts"):
+        HeldOutEval([], every_steps=1)

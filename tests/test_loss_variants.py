@@ -276,7 +276,7 @@ def test_entropy_bonus_hand_values_and_sign(aggregation, expected):
     (L = 4) 2/(2·4) = 0.25. loss = -0.5 · that = -0.375 / -1/3 / -0.125; the metric
     ``entropy`` is the token mean 2/3 in every case."""
     fn = ClippedSurrogate(aggregation=aggregation, max_completion_tokens=4, entropy_coef=0.5)
-    assert fn.requires_entropy and fn.needs_zero_advantage_rows
+    assert fn.requires.entropy and fn.requires.zero_advantage_rows
     ent = leaf([[1.0, math.nan], [0.5, 0.5]])
     zeros = [[0.0, 0.0], [0.0, 0.0]]
     out = call(fn, leaf(zeros), [[1, 0], [1, 1]], [0.0, 0.0], entropy=ent)
@@ -295,7 +295,7 @@ def test_entropy_missing_or_unused():
     with pytest.raises(ValueError, match=r"entropy shape \(1, 2\) must equal"):
         call(fn, leaf([[0.0]]), [[1]], [1.0], entropy=torch.zeros(1, 2))
     out = call(ClippedSurrogate(), leaf([[0.0]]), [[1]], [1.0], entropy=torch.zeros(1, 1))
-    assert "entropy" not in out.metrics and not ClippedSurrogate().requires_entropy
+    assert "entropy" not in out.metrics and not ClippedSurrogate().requires.entropy
 
 
 def test_kl_estimator_lookup():
@@ -466,7 +466,7 @@ def test_needs_zero_advantage_rows_tells_the_truth(fn):
     part.loss.backward()
     same = (torch.equal(full.loss.detach(), part.loss.detach()) and torch.equal(lp.grad[rows], lp2.grad)
             and not lp.grad[~rows].any() and all(torch.equal(v, part.metrics[k]) for k, v in full.metrics.items()))
-    assert same != fn.needs_zero_advantage_rows
+    assert same != fn.requires.zero_advantage_rows
 
 
 @pytest.mark.parametrize("fn", CONFIGS, ids=repr)
@@ -514,10 +514,10 @@ def test_defaults_properties_and_protocol():
     assert (GSPO().clip_eps_low, GSPO().clip_eps_high, GSPO().level) == (3e-4, 4e-4, "sequence")
     for fn in (GSPO(), CISPO(), ClippedSurrogate(delta=4.0)):
         assert isinstance(fn, GRPOLoss)
-        assert not fn.requires_ref_logprobs and not fn.requires_entropy and not fn.needs_zero_advantage_rows
+        assert not fn.requires.ref_logprobs and not fn.requires.entropy and not fn.requires.zero_advantage_rows
         with pytest.raises(dataclasses.FrozenInstanceError):
             fn.kl_coef = 1.0  # type: ignore[misc]
     for fn in (GSPO(kl_coef=0.1), CISPO(kl_coef=0.1), ClippedSurrogate(kl_coef=0.1)):
-        assert fn.requires_ref_logprobs and fn.needs_zero_advantage_rows
+        assert fn.requires.ref_logprobs and fn.requires.zero_advantage_rows
     out = call(GSPO(), leaf([[0.0]], torch.bfloat16), [[1]], [1.0])
     assert out.loss.dtype == torch.float32

@@ -324,8 +324,8 @@ def test_call_validation(kwargs, message):
 
 def test_defaults_properties_and_protocol():
     assert ClippedSurrogate().clip_eps_high == 0.2 and ClippedSurrogate(0.1).clip_eps_high == 0.1
-    assert not ClippedSurrogate().requires_ref_logprobs
-    assert ClippedSurrogate(kl_coef=0.04).requires_ref_logprobs
+    assert not ClippedSurrogate().requires.ref_logprobs
+    assert ClippedSurrogate(kl_coef=0.04).requires.ref_logprobs
     assert isinstance(ClippedSurrogate(), GRPOLoss)
     with pytest.raises(dataclasses.FrozenInstanceError):
         ClippedSurrogate().kl_coef = 1.0  # type: ignore[misc]
@@ -344,7 +344,7 @@ def test_truncated_importance_sampling_weight_hand_case():
     batch = MicroBatch(completion_mask=torch.ones(1, 2, dtype=torch.bool), advantages=torch.tensor([1.0]),
                        sampler_logprobs=torch.tensor([[-1.0 - ln2, -2.0 + ln2]]))
     loss_fn = ClippedSurrogate(aggregation="token", tis_cap=1.5)
-    assert loss_fn.requires_sampler_logprobs
+    assert loss_fn.requires.sampler_logprobs
     out = loss_fn(logp, batch, num_valid_tokens=2, num_sequences=1)
     out.loss.backward()
     assert out.loss.item() == pytest.approx(-1.0)

@@ -8,13 +8,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.memory import LoRA, MemoryPlan, build_optimizer, prepare_model
 from grpo_engine.memory.apply import trainable_parameters
+from grpo_engine.memory.budget import auto_plan, plan_for_budget
 from grpo_engine.memory.estimate import (
     GIB,
     KNOWN_SHAPES,
     ModelShape,
     Workload,
     estimate_memory,
-    plan_for_budget,
 )
 
 LLAMA = LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=6,
@@ -177,3 +177,12 @@ def test_shape_from_a_folder_and_bad_names(tmp_path):
     with pytest.raises(ValueError, match="no model config at"):
         ModelShape.from_config(str(tmp_path / "missing"))
     assert GIB == 2**30
+
+
+def test_auto_plan_takes_a_config_as_the_workload_and_returns_the_budget_choice(capsys):
+    from grpo_engine.config import GRPOConfig
+
+    config = GRPOConfig(prompts_per_step=4, group_size=8, max_prompt_tokens=256, max_completion_tokens=1024)
+    plan = auto_plan("qwen2.5-7b", config, 12)
+    assert plan == plan_for_budget("qwen2.5-7b", Workload.from_config(config), 12).plan
+    assert plan.quantization == "nf4" and "[auto_plan] " in capsys.readouterr().out

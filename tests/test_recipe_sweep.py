@@ -107,7 +107,7 @@ def test_a_dynamic_sampling_variant_builds_the_filter(tiny_folder, monkeypatch):
     real = grpo_engine.GRPOTrainer
 
     def spy(*args, **kwargs):
-        built.append(kwargs.get("dynamic_sampling"))
+        built.append(kwargs.get("sampler"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(grpo_engine, "GRPOTrainer", spy)
@@ -139,7 +139,7 @@ def test_advantage_and_loss_variants_build_those_components(tiny_folder, monkeyp
     recipe_sweep.run_variant({**small, "advantage": {"name": "RLOO"}}, steps=1, eval_every=1,
                              model=str(tiny_folder), threads=1)
     dr_grpo_loss = ClippedSurrogate(aggregation="constant", max_completion_tokens=4)
-    recipe_loss = recipe_components(DemoSettings(**small))[1]
+    recipe_loss = recipe_components(DemoSettings(**small))["loss"]
     assert built == [(GroupNormalized(std_scope="none"), dr_grpo_loss), (RLOO(), recipe_loss)]
 
 

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from grpo_engine.ops import answers as math_module
 from grpo_engine.protocols import RewardFn
 from grpo_engine.rewards import (
     BoxedFormat,
@@ -20,7 +21,6 @@ from grpo_engine.rewards import (
     answers_equal,
     extract_answer,
 )
-from grpo_engine.rewards import math as math_module
 from grpo_engine.rewards.format import boxed_contents
 from grpo_engine.types import Prompt, RolloutBatch
 

@@ -281,6 +281,8 @@ def test_one_trainer_step_scales_the_advantages_by_the_semantic_entropy(tmp_path
         seen["rewards"] = rewards.total
         return seen["u"]
 
+    estimator.requires_sampler_logprobs = False  # the EntropyEstimator protocol's one attribute
+
     def advantage(rewards, *, uncertainty=None):
         seen["advantages"] = EntropyScaled()(rewards, uncertainty=uncertainty)
         return seen["advantages"]

@@ -109,7 +109,7 @@ def test_loss_keeps_the_policy_term_of_high_entropy_tokens_only():
     """Token aggregation, on-policy, A = 1, logp = 0: every kept token adds -1/5, the others 0.
     Kept: H = 2.0 and 1.5 (see the hand case above), so loss = -2/5, d loss/d logp = -1/5 there."""
     fn = ClippedSurrogate(aggregation="token", top_entropy_quantile=0.4)
-    assert fn.requires_entropy and fn.needs_zero_advantage_rows
+    assert fn.requires.entropy and fn.requires.zero_advantage_rows
     lp, ent = leaf([[0.0] * 5]), leaf([[0.1, 2.0, 0.3, 0.2, 1.5]])
     out = call(fn, lp, ONES5, [1.0], entropy=ent)
     out.loss.backward()
@@ -165,7 +165,7 @@ def test_zero_advantage_rows_move_the_threshold():
     without = leaf([[0.0, 0.0]])
     call(fn, without, mask[:1], [1.0], entropy=ent[:1], counts=(4, 2)).loss.backward()
     assert not with_row.grad[0].any() and without.grad[0, 1] == pytest.approx(-0.25)
-    assert fn.needs_zero_advantage_rows and not ClippedSurrogate().needs_zero_advantage_rows
+    assert fn.requires.zero_advantage_rows and not ClippedSurrogate().requires.zero_advantage_rows
 
 
 def test_validation_and_missing_entropy():

@@ -1,5 +1,6 @@
 """GRPOTrainer end to end on a tiny random model: accumulation, skipping, KL reference, golden run."""
 
+import dataclasses
 import json
 import math
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from grpo_engine import ClippedSurrogate, GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
+from grpo_engine.callbacks import HeldOutEval
 from grpo_engine.data import PlainTemplate
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.rewards import Reward
@@ -24,12 +26,13 @@ class DigitShare(Reward):
         return sum(c.isdigit() for c in completion) / max(1, len(completion))
 
 
-def make_trainer(tmp_path, *, memory=None, loss=None, seed=0, components=None, **config):
+def make_trainer(tmp_path, *, memory=None, loss=None, seed=0, components=None, rewards=None, **config):
     tokenizer = char_tokenizer()
     defaults = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=3, learning_rate=1e-2,
                     temperature=1.0, seed=seed, output_dir=str(tmp_path), progress_bar=False)
     return GRPOTrainer(
-        tiny_llama(len(tokenizer), seed=seed), [DigitShare()], PROMPTS, tokenizer=tokenizer, template=TEMPLATE,
+        tiny_llama(len(tokenizer), seed=seed), rewards or [DigitShare()], PROMPTS, tokenizer=tokenizer,
+        template=TEMPLATE,
         config=GRPOConfig(**{**defaults, **config}), memory=memory or MemoryPlan(micro_batch_size=8), loss=loss,
         **(components or {}),
     )
@@ -65,8 +68,10 @@ class NoSkip:
 
     def __init__(self, inner):
         self.inner = inner
-        self.requires_ref_logprobs = inner.requires_ref_logprobs
-        self.needs_zero_advantage_rows = True
+        self.requires = dataclasses.replace(inner.requires, zero_advantage_rows=True)
+
+    def counts(self, completion_mask, is_truncated):
+        return self.inner.counts(completion_mask, is_truncated)
 
     def __call__(self, *args, **kwargs):
         return self.inner(*args, **kwargs)
@@ -171,7 +176,7 @@ def test_a_time_budget_drives_the_schedule_when_it_ends_first(tmp_path, monkeypa
 
 def test_a_loop_over_step_drives_the_time_schedule_without_its_evaluations(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, lr_schedule="cosine", max_steps=1000, max_train_seconds=40.0,
-                           learning_rate=0.4, eval_every_steps=1, components={"eval_prompts": PROMPTS[:2]})
+                           learning_rate=0.4, components={"callbacks": [HeldOutEval(PROMPTS[:2], every_steps=1)]})
     now = _ten_seconds_per_sample(trainer, monkeypatch)
     evaluate = trainer.evaluate
 
@@ -291,7 +296,7 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path):
     tokenizer = char_tokenizer()
     trainer = GRPOTrainer(
         tiny_llama(len(tokenizer)), [FirstPromptOnly(name="digit_share")], PROMPTS, tokenizer=tokenizer,
-        template=TEMPLATE, dynamic_sampling=DynamicSampling(max_rounds=4),
+        template=TEMPLATE, sampler=DynamicSampling(max_rounds=4),
         config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=1, seed=0,
                           output_dir=str(tmp_path), progress_bar=False),
     )
@@ -316,10 +321,10 @@ def test_tis_with_the_hf_sampler_changes_nothing(tmp_path):
 
 
 def test_kl_penalty_is_subtracted_from_the_rewards_before_advantages(tmp_path):
-    from grpo_engine.losses import KLRewardPenalty
+    from grpo_engine.rewards import KLRewardPenalty
 
     trainer = make_trainer(tmp_path, memory=MemoryPlan(lora=LoRA(r=4, alpha=8)), learning_rate=5e-2,
-                           max_steps=2, components={"kl_penalty": KLRewardPenalty(coef=0.5)})
+                           max_steps=2, rewards=[DigitShare(), KLRewardPenalty(coef=0.5)])
     assert trainer.reference is not None
     first = trainer.step()
     assert first["reward/kl_penalty/mean"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts at the reference
@@ -331,7 +336,8 @@ def test_kl_penalty_is_subtracted_from_the_rewards_before_advantages(tmp_path):
 
 
 def test_temperature_control_and_curriculum_are_told_about_every_group(tmp_path):
-    from grpo_engine.entropy import AdaptiveTemperature, InformativeCurriculum, SemanticEntropy
+    from grpo_engine.data import InformativeCurriculum
+    from grpo_engine.entropy import AdaptiveTemperature, SemanticEntropy
 
     class Collapsed(DigitShare):
         """Every completion scores 0 (wrong) and every answer is the same non-answer cluster."""
@@ -346,9 +352,8 @@ def test_temperature_control_and_curriculum_are_told_about_every_group(tmp_path)
     curriculum = InformativeCurriculum(PROMPTS, batch_size=2, seed=0)
     control = AdaptiveTemperature(initial=0.9, step=0.1, max_temperature=1.05)
     trainer = GRPOTrainer(
-        tiny_llama(len(tokenizer)), [Collapsed(name="acc")], PROMPTS, tokenizer=tokenizer, template=TEMPLATE,
-        entropy=SemanticEntropy(normalize=True, extract=same_answer), temperature_control=control,
-        prompt_source=curriculum,
+        tiny_llama(len(tokenizer)), [Collapsed(name="acc")], curriculum, tokenizer=tokenizer, template=TEMPLATE,
+        entropy=SemanticEntropy(normalize=True, extract=same_answer), callbacks=[control],
         config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=6, max_steps=3,
                           temperature=0.9, output_dir=str(tmp_path), progress_bar=False),
     )
@@ -358,8 +363,8 @@ def test_temperature_control_and_curriculum_are_told_about_every_group(tmp_path)
     assert all(m["entropy/collapsed_fraction"] == 1.0 for m in temps)
     assert trainer.sampler.temperature == pytest.approx(1.05)
     assert sum(curriculum.stats(i).visits for i in range(len(PROMPTS))) == 6  # 3 steps x 2 groups
-    with pytest.raises(ValueError, match="temperature_control needs per-group semantic entropy"):
-        make_trainer(tmp_path, components={"temperature_control": AdaptiveTemperature()})
+    with pytest.raises(ValueError, match="AdaptiveTemperature needs per-group semantic entropy"):
+        make_trainer(tmp_path, components={"callbacks": [AdaptiveTemperature()]})
 
 
 def test_token_entropy_is_logged_from_the_training_pass(tmp_path):
@@ -378,4 +383,4 @@ def test_temperature_control_must_start_at_the_configured_temperature(tmp_path):
     with pytest.raises(ValueError, match=r"starts at 1.0 but config.temperature=0.7: pass AdaptiveTemperature\("
                                          r"initial=0.7"):
         make_trainer(tmp_path, temperature=0.7, components={
-            "entropy": SemanticEntropy(normalize=True), "temperature_control": AdaptiveTemperature()})
+            "entropy": SemanticEntropy(normalize=True), "callbacks": [AdaptiveTemperature()]})

@@ -1,5 +1,6 @@
 """Data for GRPO: file loaders (JSON/JSONL, GSM8K, MATH-500), a synthetic arithmetic task,
-prompt templates (chat or plain text) and a seeded, resumable stream of prompt batches.
+prompt templates (chat or plain text), and the prompt sources: a seeded, resumable stream of prompt
+batches and an online curriculum.
 
 Example:
     >>> from grpo_engine.data import PromptStream, arithmetic_task
@@ -8,6 +9,7 @@ Example:
     4
 """
 
+from grpo_engine.data.curriculum import InformativeCurriculum, PromptStats
 from grpo_engine.data.loaders import (
     DataError,
     gsm8k_final_answer,
@@ -15,7 +17,7 @@ from grpo_engine.data.loaders import (
     load_jsonl_prompts,
     load_math500,
 )
-from grpo_engine.data.stream import PromptStream
+from grpo_engine.data.stream import EpochOrder, PromptStream
 from grpo_engine.data.synthetic import arithmetic_task
 from grpo_engine.data.templates import (
     ChatTemplate,
@@ -28,8 +30,11 @@ from grpo_engine.types import Prompt
 __all__ = [
     "ChatTemplate",
     "DataError",
+    "EpochOrder",
+    "InformativeCurriculum",
     "PlainTemplate",
     "Prompt",
+    "PromptStats",
     "PromptStream",
     "PromptTemplate",
     "arithmetic_task",

@@ -17,7 +17,43 @@ from typing import Any
 from grpo_engine.data.loaders import DataError
 from grpo_engine.types import Prompt
 
-__all__ = ["PromptStream"]
+__all__ = ["PromptStream", "EpochOrder"]
+
+
+class EpochOrder:
+    """A seeded, endless pass over ``n`` positions: one permutation per epoch, drawn by
+    ``random.Random`` seeded with the string ``"{namespace}:{seed}:{epoch}"`` (stable across processes
+    and Python versions). Shared by :class:`PromptStream` and the curriculum.
+
+    Example:
+        >>> order = EpochOrder(3, seed=0, namespace="doc")
+        >>> sorted(order.take() for _ in range(3)), order.epoch, order.position
+        ([0, 1, 2], 0, 3)
+    """
+
+    def __init__(self, n: int, seed: int, namespace: str) -> None:
+        self.n, self.seed, self.namespace = n, seed, namespace
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def take(self) -> int:
+        """The next position, starting the next epoch's permutation when this one is used up."""
+        if self.position == self.n:
+            self.seek(self.epoch + 1, 0)
+        i = self._order[self.position]
+        self.position += 1
+        return i
+
+    def seek(self, epoch: int, position: int) -> None:
+        """Continues from ``position`` positions into ``epoch``'s permutation."""
+        if epoch != self.epoch or not hasattr(self, "_order"):
+            self._order = self._permutation(epoch)
+        self.epoch, self.position = epoch, position
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(self.n))
+        random.Random(f"{self.namespace}:{self.seed}:{epoch}").shuffle(order)
+        return order
 
 
 class PromptStream:
@@ -54,35 +90,24 @@ class PromptStream:
         self.prompts: tuple[Prompt, ...] = tuple(prompts)
         self.batch_size = batch_size
         self.seed = seed
-        self._epoch = 0
-        self._position = 0
-        self._order = self._permutation(0)
+        self._pass = EpochOrder(len(self.prompts), seed, "grpo_engine.PromptStream")
 
     @property
     def epoch(self) -> int:
         """The epoch the next prompt comes from (0 at the start)."""
-        return self._epoch
+        return self._pass.epoch
 
     @property
     def position(self) -> int:
         """How many prompts of the current epoch have been served."""
-        return self._position
+        return self._pass.position
 
     def next_batch(self, size: int | None = None) -> list[Prompt]:
         """Returns the next ``size`` prompts (default ``batch_size``), crossing into the next epoch if needed."""
         size = self.batch_size if size is None else size
         if size < 1:
             raise DataError(f"size={size} must be >= 1; ask for at least one prompt")
-        batch: list[Prompt] = []
-        while len(batch) < size:
-            if self._position == len(self.prompts):
-                self._epoch += 1
-                self._position = 0
-                self._order = self._permutation(self._epoch)
-            take = min(size - len(batch), len(self.prompts) - self._position)
-            start, self._position = self._position, self._position + take
-            batch.extend(self.prompts[i] for i in self._order[start : self._position])
-        return batch
+        return [self.prompts[self._pass.take()] for _ in range(size)]
 
     def __iter__(self) -> Iterator[list[Prompt]]:
         return self
@@ -90,12 +115,15 @@ class PromptStream:
     def __next__(self) -> list[Prompt]:
         return self.next_batch()
 
+    def observe(self, batch: Any, rewards: Any, uncertainty: Any = None) -> None:
+        """A plain stream serves every prompt in turn, whatever the results (the ``PromptSource`` hook)."""
+
     def state_dict(self) -> dict[str, int]:
         """The state to checkpoint: ``{"seed", "epoch", "position", "num_prompts"}``."""
         return {
             "seed": self.seed,
-            "epoch": self._epoch,
-            "position": self._position,
+            "epoch": self.epoch,
+            "position": self.position,
             "num_prompts": len(self.prompts),
         }
 
@@ -118,10 +146,4 @@ class PromptStream:
                 f"state_dict epoch={epoch}, position={position} is out of range for "
                 f"{len(self.prompts)} prompts; pass a state saved by PromptStream.state_dict()"
             )
-        self._epoch, self._position = epoch, position
-        self._order = self._permutation(epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self.prompts)))
-        random.Random(f"grpo_engine.PromptStream:{self.seed}:{epoch}").shuffle(order)
-        return order
+        self._pass.seek(epoch, position)

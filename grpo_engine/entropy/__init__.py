@@ -1,18 +1,13 @@
 """Entropy as a signal: semantic entropy of a group's answers, token entropy, and what they steer.
 
-    from grpo_engine.entropy import AdaptiveTemperature, InformativeCurriculum, SemanticEntropy
-    trainer = GRPOTrainer(..., entropy=SemanticEntropy(normalize=True), advantage=EntropyScaled(),
-                          temperature_control=AdaptiveTemperature(),
-                          prompt_source=InformativeCurriculum(prompts, batch_size=4))
+    from grpo_engine.data import InformativeCurriculum
+    from grpo_engine.entropy import AdaptiveTemperature, SemanticEntropy
+    trainer = GRPOTrainer(model, rewards, InformativeCurriculum(prompts, batch_size=4),
+                          entropy=SemanticEntropy(normalize=True), advantage=EntropyScaled(),
+                          callbacks=[AdaptiveTemperature()])
 """
 
-from grpo_engine.entropy.control import (
-    AdaptiveTemperature,
-    InformativeCurriculum,
-    PromptStats,
-    collapsed_fraction,
-    collapsed_groups,
-)
+from grpo_engine.entropy.control import AdaptiveTemperature, collapsed_fraction, collapsed_groups
 from grpo_engine.entropy.semantic import SemanticEntropy, cluster_answers, semantic_entropy, sequence_log_likelihood
 from grpo_engine.entropy.token import group_token_entropy, high_entropy_mask, token_entropy_mean
 
@@ -25,8 +20,6 @@ __all__ = [
     "group_token_entropy",
     "high_entropy_mask",
     "AdaptiveTemperature",
-    "InformativeCurriculum",
-    "PromptStats",
     "collapsed_groups",
     "collapsed_fraction",
 ]

@@ -44,8 +44,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from grpo_engine.eval import final_answer
-from grpo_engine.rewards.math import answers_equal
+from grpo_engine.ops.answers import answers_equal, final_answer
 from grpo_engine.types import RewardOutput, RolloutBatch
 
 __all__ = ["SemanticEntropy", "cluster_answers", "semantic_entropy", "sequence_log_likelihood"]

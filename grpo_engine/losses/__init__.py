@@ -1,17 +1,18 @@
-"""Policy objectives of the GRPO family and the KL estimators they use.
+"""Policy objectives of the GRPO family, built from small parts.
 
-``ClippedSurrogate`` covers GRPO (sequence aggregation, k3 KL), DAPO (token aggregation,
-asymmetric clip, overlong filtering), Dr. GRPO (constant aggregation) and INTELLECT-2's
-two-sided clip (``delta``); ``GSPO`` clips a sequence-level ratio (Qwen, arXiv 2507.18071);
-``CISPO`` clips a stop-gradient importance weight (MiniMax-M1, arXiv 2506.13585).
-``kl_k1``/``kl_k2``/``kl_k3`` are Schulman's per-token estimators of KL(π_θ ‖ π_ref), also
-reachable by name through ``kl_estimator``.
+``ClippedSurrogate`` (GRPO, DAPO, Dr. GRPO, INTELLECT-2's δ) composes the terms of ``terms.py``
+(``MaskTruncated``, ``TruncatedIS``, ``HighEntropyTokens``, ``KLPenalty``, ``EntropyBonus``) and one of
+the three aggregations of ``aggregation.py``; ``GSPO`` clips a sequence-level ratio (arXiv
+2507.18071); ``CISPO`` clips a stop-gradient importance weight (arXiv 2506.13585). The KL
+estimators ``kl_k1`` / ``kl_k2`` / ``kl_k3`` live in :mod:`grpo_engine.ops.kl` (re-exported).
 """
 
+from grpo_engine.losses.aggregation import AGGREGATIONS, aggregate
 from grpo_engine.losses.cispo import CISPO
 from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.gspo import GSPO
-from grpo_engine.losses.kl import KL_ESTIMATORS, KLRewardPenalty, kl_estimator, kl_k1, kl_k2, kl_k3
+from grpo_engine.losses.terms import EntropyBonus, HighEntropyTokens, KLPenalty, MaskTruncated, TruncatedIS
+from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator, kl_k1, kl_k2, kl_k3
 
-__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "KL_ESTIMATORS", "KLRewardPenalty", "kl_estimator", "kl_k1", "kl_k2",
-           "kl_k3"]
+__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty",
+           "EntropyBonus", "AGGREGATIONS", "aggregate", "KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]

@@ -12,13 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_engine.losses.kl import KL_ESTIMATORS, kl_estimator
+from grpo_engine.ops.kl import KL_ESTIMATORS
 from grpo_engine.types import MicroBatch
 
-__all__ = [
-    "compute_dtype", "masked", "policy_inputs", "ratio_inputs", "sequence_mean", "sequence_share",
-    "token_share", "kl_tokens", "step_counts", "nonnegative", "check_kl_estimator", "check_call",
-]
+__all__ = ["compute_dtype", "masked", "policy_inputs", "ratio_inputs", "step_counts", "nonnegative",
+           "check_kl_estimator", "check_call"]
 
 
 def compute_dtype(logprobs: Tensor) -> torch.dtype:
@@ -48,30 +46,6 @@ def ratio_inputs(logprobs: Tensor, batch: MicroBatch, mask: Tensor) -> tuple[Ten
     """``(logp, ratio, adv)``: as :func:`policy_inputs` with the token ratio exp(logp - old)."""
     logp, old, adv = policy_inputs(logprobs, batch, mask)
     return logp, torch.exp(logp - old), adv
-
-
-def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """[n] mean of [n, C] ``values`` over each row's valid tokens; 0 for a row without any."""
-    values = torch.where(mask, values, torch.zeros_like(values))
-    lengths = mask.sum(dim=1).clamp(min=1).to(values.dtype)
-    return values.sum(dim=1) / lengths
-
-
-def sequence_share(values: Tensor, mask: Tensor, num_sequences: int) -> Tensor:
-    """Step-share of the mean over sequences of per-sequence token means (seq-mean-token-mean)."""
-    return sequence_mean(values, mask).sum() / num_sequences
-
-
-def token_share(values: Tensor, mask: Tensor, num_valid_tokens: int) -> Tensor:
-    """Step-share of the mean over all valid tokens of the step (token-mean)."""
-    return torch.where(mask, values, torch.zeros_like(values)).sum() / num_valid_tokens
-
-
-def kl_tokens(name: str, logp: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """[n, C] estimator ``name`` of KL(π_θ ‖ π_ref) per token, 0 on padding; grad into ``logp``."""
-    ref = masked(ref_logprobs.detach(), mask, logp.dtype)
-    kl = kl_estimator(name)(logp, ref)
-    return torch.where(mask, kl, torch.zeros_like(kl))
 
 
 def step_counts(completion_mask: Tensor, keep_rows: Tensor | None = None) -> tuple[int, int]:
@@ -149,32 +123,3 @@ def check_call(
     problems.extend(extra or ())
     if problems:
         raise ValueError(f"{owner}: " + "; ".join(problems))
-
-
-class KLOnlyLossMixin:
-    """The trainer-facing properties of a loss whose only optional term is a KL (``kl_coef``)."""
-
-    kl_coef: float
-
-    @property
-    def requires_ref_logprobs(self) -> bool:
-        """True when ``kl_coef > 0``: the trainer must supply ``batch.ref_logprobs``."""
-        return self.kl_coef > 0
-
-    @property
-    def requires_entropy(self) -> bool:
-        """Always False: no entropy term."""
-        return False
-
-    @property
-    def needs_zero_advantage_rows(self) -> bool:
-        """False when ``kl_coef == 0``: a completion with advantage 0 then adds exactly 0 to the
-        loss, the gradient and every metric."""
-        return self.kl_coef > 0
-
-    def counts(self, completion_mask: Tensor, is_truncated: Tensor | None = None) -> tuple[int, int]:
-        """Step-global ``(num_valid_tokens, num_sequences)``: every True mask entry, every row.
-
-        ``is_truncated`` is accepted for a uniform trainer call and ignored.
-        """
-        return step_counts(completion_mask)

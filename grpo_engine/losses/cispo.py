@@ -41,13 +41,15 @@ import torch
 from torch import Tensor
 
 from grpo_engine.losses import _common as common
-from grpo_engine.types import LossOutput, MicroBatch
+from grpo_engine.losses.aggregation import token_share
+from grpo_engine.losses.terms import kl_tokens
+from grpo_engine.types import LossOutput, MicroBatch, Requirements
 
 __all__ = ["CISPO"]
 
 
 @dataclass(frozen=True)
-class CISPO(common.KLOnlyLossMixin):
+class CISPO:
     """Clipped IS-weight Policy Optimization (token-mean REINFORCE with a capped weight).
 
     Args:
@@ -78,6 +80,15 @@ class CISPO(common.KLOnlyLossMixin):
         problems.extend(common.check_kl_estimator(self.kl_estimator))
         if problems:
             raise ValueError("invalid CISPO: " + "; ".join(problems))
+
+    @property
+    def requires(self) -> Requirements:
+        """Reference log-probs when ``kl_coef > 0``; rows with advantage 0 add nothing without a KL."""
+        return Requirements(ref_logprobs=self.kl_coef > 0, zero_advantage_rows=self.kl_coef > 0)
+
+    def counts(self, completion_mask: Tensor, is_truncated: Tensor | None = None) -> tuple[int, int]:
+        """Step-global ``(num_valid_tokens, num_sequences)``: every valid token, every row."""
+        return common.step_counts(completion_mask)
 
     def __call__(
         self,
@@ -112,13 +123,13 @@ class CISPO(common.KLOnlyLossMixin):
         weight = ratio.clamp(min=low, max=high)
         is_clipped = (ratio > high) if low is None else (ratio > high) | (ratio < low)
         policy_token = -weight * adv * logp  # [n, C]
-        policy_loss = common.token_share(policy_token, mask, num_valid_tokens)
+        policy_loss = token_share(policy_token, mask, num_valid_tokens)
         loss = policy_loss
         metrics: dict[str, Tensor] = {}
         if self.kl_coef > 0:
-            kl = common.kl_tokens(self.kl_estimator, logp, batch.ref_logprobs, mask)
-            loss = loss + self.kl_coef * common.token_share(kl, mask, num_valid_tokens)
-            metrics["kl"] = common.token_share(kl, mask, num_valid_tokens).detach()
+            kl = kl_tokens(self.kl_estimator, logp, batch.ref_logprobs, mask)
+            loss = loss + self.kl_coef * token_share(kl, mask, num_valid_tokens)
+            metrics["kl"] = token_share(kl, mask, num_valid_tokens).detach()
         metrics["policy_loss"] = policy_loss.detach()
         clipped = is_clipped & (adv != 0) & mask
         metrics["clip_fraction"] = clipped.sum().to(logp.dtype) / num_valid_tokens

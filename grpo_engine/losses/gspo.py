@@ -43,7 +43,9 @@ import torch
 from torch import Tensor
 
 from grpo_engine.losses import _common as common
-from grpo_engine.types import LossOutput, MicroBatch
+from grpo_engine.losses.aggregation import sequence_mean, sequence_share, token_share
+from grpo_engine.losses.terms import kl_tokens
+from grpo_engine.types import LossOutput, MicroBatch, Requirements
 
 __all__ = ["GSPO"]
 
@@ -51,7 +53,7 @@ _LEVELS = ("sequence", "token")
 
 
 @dataclass(frozen=True)
-class GSPO(common.KLOnlyLossMixin):
+class GSPO:
     """Group Sequence Policy Optimization (sequence ratio, sequence clip, sequence mean).
 
     Args:
@@ -85,6 +87,15 @@ class GSPO(common.KLOnlyLossMixin):
         if problems:
             raise ValueError("invalid GSPO: " + "; ".join(problems))
 
+    @property
+    def requires(self) -> Requirements:
+        """Reference log-probs when ``kl_coef > 0``; rows with advantage 0 add nothing without a KL."""
+        return Requirements(ref_logprobs=self.kl_coef > 0, zero_advantage_rows=self.kl_coef > 0)
+
+    def counts(self, completion_mask: Tensor, is_truncated: Tensor | None = None) -> tuple[int, int]:
+        """Step-global ``(num_valid_tokens, num_sequences)``: every valid token, every row."""
+        return common.step_counts(completion_mask)
+
     def __call__(
         self,
         logprobs: Tensor,
@@ -115,7 +126,7 @@ class GSPO(common.KLOnlyLossMixin):
         mask = batch.completion_mask.to(torch.bool)
         logp, old, adv = common.policy_inputs(logprobs, batch, mask)
         has_tokens = mask.any(dim=1)  # [n]
-        log_seq_ratio = common.sequence_mean(logp - old, mask)  # [n], 0 for empty rows
+        log_seq_ratio = sequence_mean(logp - old, mask)  # [n], 0 for empty rows
         if self.level == "sequence":
             ratio = torch.exp(log_seq_ratio)[:, None]  # [n, 1]
         else:
@@ -127,15 +138,15 @@ class GSPO(common.KLOnlyLossMixin):
             seq_loss = torch.where(has_tokens, surrogate[:, 0], torch.zeros_like(surrogate[:, 0]))
             seq_clipped = (clipped_obj < unclipped_obj)[:, 0] & has_tokens
         else:  # every token of a row has the same ratio, so the same loss and clip state
-            seq_loss = common.sequence_mean(surrogate, mask)
+            seq_loss = sequence_mean(surrogate, mask)
             seq_clipped = ((clipped_obj < unclipped_obj) & mask).any(dim=1)
         policy_loss = seq_loss.sum() / num_sequences
         loss = policy_loss
         metrics: dict[str, Tensor] = {}
         if self.kl_coef > 0:
-            kl = common.kl_tokens(self.kl_estimator, logp, batch.ref_logprobs, mask)
-            loss = loss + self.kl_coef * common.sequence_share(kl, mask, num_sequences)
-            metrics["kl"] = common.token_share(kl, mask, num_valid_tokens).detach()
+            kl = kl_tokens(self.kl_estimator, logp, batch.ref_logprobs, mask)
+            loss = loss + self.kl_coef * sequence_share(kl, mask, num_sequences)
+            metrics["kl"] = token_share(kl, mask, num_valid_tokens).detach()
         metrics["policy_loss"] = policy_loss.detach()
         metrics["clip_fraction"] = seq_clipped.sum().to(logp.dtype) / num_sequences
         return LossOutput(loss=loss, metrics=metrics)

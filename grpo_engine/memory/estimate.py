@@ -28,22 +28,25 @@ k = kv_heads * head_dim:
 
 What it predicts is tensor memory (``torch.cuda.max_memory_allocated``), not what the driver
 reports: add the CUDA context (~0.3-0.5 GiB) and allocator slack for ``nvidia-smi``.
-``plan_for_budget`` keeps a safety margin (15% by default) for what the model leaves out.
+``grpo_engine.memory.budget.plan_for_budget`` keeps a safety margin (15% by default) for what the
+model leaves out.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from grpo_engine.config import FrozenModel
-from grpo_engine.memory.plan import LoRA, MemoryPlan
 
-__all__ = ["ModelShape", "Workload", "MemoryEstimate", "PlanChoice", "estimate_memory", "plan_for_budget",
+if TYPE_CHECKING:  # the estimator reads a plan's fields; it never builds one (memory/budget.py does)
+    from grpo_engine.memory.plan import LoRA, MemoryPlan
+
+__all__ = ["ModelShape", "Workload", "MemoryEstimate", "estimate_memory",
            "KNOWN_SHAPES", "GIB"]
 
 GIB = 1024**3
@@ -232,6 +235,7 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
         workload: B, G, prompt and completion lengths, KL on/off.
 
     Example:
+        >>> from grpo_engine.memory.plan import LoRA, MemoryPlan
         >>> est = estimate_memory("qwen2.5-0.5b", MemoryPlan(lora=LoRA(r=16), dtype="bfloat16"),
         ...                       Workload(prompts_per_step=4, group_size=8, prompt_tokens=128,
         ...                                completion_tokens=256))
@@ -301,81 +305,3 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
     parts["optimizer_temporaries"] = 0 if eight_bit else trainable * 4
     optimizer = resident + parts["gradients"] + parts["optimizer_temporaries"]
     return MemoryEstimate(parts=parts, phases={"sampling": sampling, "training": training, "optimizer": optimizer})
-
-
-@dataclass(frozen=True)
-class PlanChoice:
-    """What ``plan_for_budget`` chose, its estimate, and why."""
-
-    plan: MemoryPlan
-    estimate: MemoryEstimate
-    slowdown: float
-    reason: str
-    rejected: list[tuple[str, float]] = field(default_factory=list)  # (plan summary, peak GiB) that did not fit
-
-
-# Relative step time of each memory saving (documented estimates, not measurements; docs/memory.md):
-_SLOWDOWN = {"gradient_checkpointing": 1.25, "adamw8bit": 1.01, "quantization": 1.2, "offload_activations": 1.1}
-
-
-def _summary(plan: MemoryPlan) -> str:
-    bits = [f"LoRA r={plan.lora.r}" if plan.lora else "full fine-tuning", plan.dtype]
-    bits += ["NF4 base"] if plan.quantization else []
-    bits += ["gradient checkpointing"] if plan.gradient_checkpointing else []
-    bits += [plan.optimizer, f"micro-batch {plan.micro_batch_size}"]
-    bits += ["activations offloaded"] if plan.offload_activations else []
-    return ", ".join(bits)
-
-
-def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: MemoryPlan | None = None,
-                    margin: float = 0.15) -> PlanChoice:
-    """The plan with the least slowdown whose predicted peak, plus ``margin``, fits ``budget_gib``.
-
-    Candidates start from ``base`` (default: LoRA r=16 in bfloat16, prompt sharing on) and add, in
-    every combination, a smaller micro-batch (halving; ~2% slower each), 8-bit optimizer states,
-    gradient checkpointing, a 4-bit NF4 base (under LoRA) and, with checkpointing, activation
-    offload (then only the layer inputs travel to CPU memory). Each choice's slowdown is the product
-    of its parts' estimated costs; the cheapest that fits wins.
-
-    Raises:
-        ValueError: when no candidate fits, naming the smallest peak found.
-    """
-    base = base if base is not None else MemoryPlan(lora=LoRA(r=16, alpha=32), dtype="bfloat16")
-    if budget_gib <= 0:
-        raise ValueError(f"budget_gib={budget_gib} must be > 0; pass the accelerator's memory in GiB, e.g. 8")
-    micro = [m for m in (workload.rows, 16, 8, 4, 2, 1) if m <= min(workload.rows, base.micro_batch_size)]
-    micro = sorted(set(micro) | {min(workload.rows, base.micro_batch_size)}, reverse=True)
-    candidates: list[tuple[float, MemoryPlan]] = []
-    for m in micro:
-        for eight_bit in (False, True):
-            for ckpt in (False, True):
-                for quant in ((False, True) if base.lora is not None else (False,)):
-                    for offload in ((False, True) if ckpt or base.gradient_checkpointing else (False,)):
-                        plan = base.model_copy(update={
-                            "micro_batch_size": m,
-                            "optimizer": "adamw8bit" if eight_bit else base.optimizer,
-                            "gradient_checkpointing": ckpt or base.gradient_checkpointing,
-                            "quantization": "nf4" if quant else base.quantization,
-                            "offload_activations": offload or base.offload_activations,
-                        })
-                        slow = 1.02 ** math.log2(micro[0] / m)
-                        slow *= _SLOWDOWN["adamw8bit"] if eight_bit else 1.0
-                        slow *= _SLOWDOWN["gradient_checkpointing"] if ckpt else 1.0
-                        slow *= _SLOWDOWN["quantization"] if quant else 1.0
-                        slow *= _SLOWDOWN["offload_activations"] if offload else 1.0
-                        candidates.append((slow, plan))
-    candidates.sort(key=lambda c: c[0])
-    rejected: list[tuple[str, float]] = []
-    limit = budget_gib / (1 + margin)
-    for slow, plan in candidates:
-        est = estimate_memory(model, plan, workload)
-        if est.peak_gib <= limit:
-            reason = (f"{_summary(plan)}: predicted peak {est.peak_gib:.2f} GiB ({est.peak_phase}) fits "
-                      f"{budget_gib:g} GiB with a {margin:.0%} margin; estimated step time x{slow:.2f} of the "
-                      f"fastest candidate; {len(rejected)} faster candidates did not fit")
-            return PlanChoice(plan=plan, estimate=est, slowdown=slow, reason=reason, rejected=rejected)
-        rejected.append((_summary(plan), est.peak_gib))
-    smallest = min(rejected, key=lambda r: r[1])
-    raise ValueError(f"no plan fits {budget_gib:g} GiB (with a {margin:.0%} margin): the smallest predicted peak is "
-                     f"{smallest[1]:.2f} GiB ({smallest[0]}); shorten completion_tokens, lower group_size or "
-                     "prompts_per_step, or use a smaller model")

@@ -37,7 +37,7 @@ optimizer. Nothing in the step loop branches on it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -117,35 +117,6 @@ class MemoryPlan(FrozenModel):
         256, description="Tokens per lm_head/log-softmax chunk; bounds the logits memory to chunk x vocab "
         "floats (256 x 151,936 x 4 B = 156 MB for a Qwen2.5 vocabulary)."
     )
-
-    @classmethod
-    def auto(cls, model: Any, workload: Any, budget_gib: float, *, base: MemoryPlan | None = None,
-             margin: float = 0.15, verbose: bool = True) -> MemoryPlan:
-        """The plan with the least estimated slowdown whose predicted peak fits ``budget_gib``.
-
-        Args:
-            model: a transformers config, a folder with ``config.json``, a loaded model (its
-                ``config`` is used) or a name in ``grpo_engine.memory.estimate.KNOWN_SHAPES``.
-            workload: a ``Workload`` or a ``GRPOConfig`` (its B, G and maximum lengths).
-            budget_gib: the accelerator memory to fit in, GiB.
-            base: the plan to start from (default LoRA r=16 in bfloat16).
-            margin: safety margin on the predicted peak (0.15: the estimator's accuracy goal).
-            verbose: print what was chosen and why.
-
-        Example:
-            >>> from grpo_engine.memory.estimate import Workload
-            >>> plan = MemoryPlan.auto("qwen2.5-7b", Workload(completion_tokens=1024), 12, verbose=False)
-            >>> plan.quantization
-            'nf4'
-        """
-        from grpo_engine.memory.estimate import Workload, plan_for_budget
-
-        if not isinstance(workload, Workload):
-            workload = Workload.from_config(workload)
-        choice = plan_for_budget(getattr(model, "config", model), workload, budget_gib, base=base, margin=margin)
-        if verbose:
-            print(f"[MemoryPlan.auto] {choice.reason}")
-        return choice.plan
 
     @model_validator(mode="after")
     def _check_combinations(self) -> MemoryPlan:

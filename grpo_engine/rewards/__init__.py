@@ -1,17 +1,20 @@
 """Rewards: subclass :class:`Reward` (one ``score`` method), combine with :class:`WeightedSum`.
 
 Built-in: :class:`MathAccuracy` (math-verify), :class:`ThinkAnswerFormat`, :class:`BoxedFormat`,
-:class:`OverlongPenalty` (DAPO soft overlong punishment, on token lengths).
+:class:`OverlongPenalty` (DAPO soft overlong punishment, on token lengths); the reward transform
+:class:`KLRewardPenalty` (a KL penalty in the reward instead of the loss).
 """
 
 from grpo_engine.rewards.base import Reward, RewardError
 from grpo_engine.rewards.compose import WeightedSum
 from grpo_engine.rewards.format import BoxedFormat, ThinkAnswerFormat
+from grpo_engine.rewards.kl_penalty import KLRewardPenalty
 from grpo_engine.rewards.length import OverlongPenalty
 from grpo_engine.rewards.math import MathAccuracy, answers_equal, extract_answer, final_answer, last_number
 
 __all__ = [
     "BoxedFormat",
+    "KLRewardPenalty",
     "MathAccuracy",
     "OverlongPenalty",
     "Reward",

@@ -23,7 +23,9 @@ scores always go into ``RewardOutput.breakdown`` under the reward's ``name`` for
   is a no-op here, since every s_k already has group mean 0), or with ``MeanBaseline()`` to keep
   the sum as it is. The default ``GroupNormalized()`` would z-score the sum once more per group.
 
-A reward with weight 0 is logged but does not train.
+A reward with weight 0 is logged but does not train. A ``RewardTransform`` in the list (e.g.
+:class:`~grpo_engine.rewards.KLRewardPenalty`) is kept apart: :meth:`WeightedSum.transform` applies
+it once the step's log-probs are known, and :attr:`WeightedSum.requires` says which it needs.
 """
 
 from __future__ import annotations
@@ -36,16 +38,15 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from grpo_engine.advantages import GroupNormalized
-from grpo_engine.protocols import RewardFn
+from grpo_engine.ops.groups import group_zscore
+from grpo_engine.protocols import RewardFn, RewardTransform
 from grpo_engine.rewards.base import RewardError
-from grpo_engine.types import RewardOutput, RolloutBatch
+from grpo_engine.types import Requirements, RewardOutput, RolloutBatch
 
 __all__ = ["WeightedSum"]
 
 Normalize = Literal["after_sum", "each"]
 
-_GROUP_Z = GroupNormalized(std_scope="group")  # the per-reward rule of normalize="each"
 
 
 class WeightedSum:
@@ -67,8 +68,9 @@ class WeightedSum:
         ('math_accuracy', 'think_answer_format', 'overlong_penalty')
     """
 
-    def __init__(self, rewards: Sequence[RewardFn], *, normalize: Normalize = "after_sum") -> None:
-        rewards = tuple(rewards)
+    def __init__(self, rewards: Sequence[RewardFn | RewardTransform], *, normalize: Normalize = "after_sum") -> None:
+        self.transforms: tuple[RewardTransform, ...] = tuple(r for r in rewards if isinstance(r, RewardTransform))
+        rewards = tuple(r for r in rewards if not isinstance(r, RewardTransform))
         if not rewards:
             raise ValueError(
                 "WeightedSum needs at least one reward; pass e.g. WeightedSum([MathAccuracy()])"
@@ -114,7 +116,20 @@ class WeightedSum:
 
     def __repr__(self) -> str:
         extra = "" if self.normalize == "after_sum" else f", normalize={self.normalize!r}"
-        return f"WeightedSum({list(self.rewards)!r}{extra})"
+        return f"WeightedSum({list(self.rewards) + list(self.transforms)!r}{extra})"
+
+    @property
+    def requires(self) -> Requirements:
+        """The log-probs the transforms need (old, reference) before :meth:`transform`."""
+        return Requirements(old_logprobs=any(t.requires.old_logprobs for t in self.transforms),
+                            ref_logprobs=any(t.requires.ref_logprobs for t in self.transforms))
+
+    def transform(self, rewards: RewardOutput, batch: RolloutBatch, *, old_logprobs: Tensor | None = None,
+                  ref_logprobs: Tensor | None = None) -> RewardOutput:
+        """The rewards after each transform, in order ([N, C] log-probs as :attr:`requires` asks)."""
+        for t in self.transforms:
+            rewards = t.transform(rewards, batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+        return rewards
 
     def __call__(self, batch: RolloutBatch) -> RewardOutput:
         """Scores a batch.
@@ -149,7 +164,7 @@ class WeightedSum:
             scores = scores.to(device=total.device, dtype=torch.float32).view(b, g)
             breakdown[reward.name] = scores
             if self.normalize == "each":
-                scores = _GROUP_Z(scores)
+                scores = group_zscore(scores, 1e-6, "WeightedSum")
             total = total + float(reward.weight) * scores
         return RewardOutput(total=total, breakdown=breakdown)
 

@@ -7,13 +7,14 @@
 - :class:`BoxedFormat`: 1.0 iff the completion contains a ``\\boxed{...}`` whose braces balance
   and whose content is not blank. Else 0.0.
 
-:func:`boxed_contents` is the brace-balanced ``\\boxed{...}`` scanner shared with ``math.py``.
+:func:`boxed_contents` (the brace-balanced ``\\boxed{...}`` scanner) lives in :mod:`grpo_engine.ops.answers`.
 """
 
 from __future__ import annotations
 
 import re
 
+from grpo_engine.ops.answers import boxed_contents
 from grpo_engine.rewards.base import Reward
 from grpo_engine.types import Prompt
 
@@ -22,40 +23,6 @@ __all__ = ["BoxedFormat", "ThinkAnswerFormat", "boxed_contents"]
 _THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 _BOXED = "\\boxed{"
-
-
-def boxed_contents(text: str) -> list[str]:
-    """The contents of every ``\\boxed{...}`` of ``text`` whose braces balance, in order.
-
-    Nested braces are followed (``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``); a box whose
-    closing brace never comes (a truncated completion) is skipped.
-
-    Args:
-        text: any string.
-
-    Returns:
-        The inner strings, unstripped, first to last.
-
-    Example:
-        >>> boxed_contents(r"so \\boxed{\\frac{1}{2}} or \\boxed{3")
-        ['\\\\frac{1}{2}']
-    """
-    found: list[str] = []
-    start = text.find(_BOXED)
-    while start != -1:
-        begin = start + len(_BOXED)
-        depth = 1
-        pos = begin
-        while pos < len(text) and depth:
-            if text[pos] == "{":
-                depth += 1
-            elif text[pos] == "}":
-                depth -= 1
-            pos += 1
-        if depth == 0:
-            found.append(text[begin : pos - 1])
-        start = text.find(_BOXED, begin)
-    return found
 
 
 class ThinkAnswerFormat(Reward):

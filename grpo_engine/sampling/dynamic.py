@@ -1,110 +1,124 @@
-"""DAPO dynamic sampling: train only on groups that carry a learning signal.
+"""DAPO dynamic sampling: train only on groups that carry a learning signal; a Sampler wrapper.
 
-DAPO (Yu et al. 2025, arXiv 2503.14476, section 3.2) drops every group whose rewards are all equal
-(all right or all wrong: every advantage is 0, so the group adds nothing to the gradient but
-still dilutes the step) and keeps sampling fresh prompts until the batch is full again.
+DAPO (arXiv 2503.14476, section 3.2) drops every group whose rewards are all equal (every advantage
+0: it adds nothing to the gradient but dilutes the step) and keeps sampling fresh prompts until the
+batch is full. :class:`DynamicSampling` wraps the trainer's sampler (``GRPOTrainer(sampler=
+DynamicSampling(...))`` binds it to the trainer's sampler, rewards and prompt source):
 
-Rules implemented by :class:`DynamicSampling`:
-
-- A group is kept iff its rewards are not all equal: the total reward by default, or one
-  reward of the breakdown with ``key`` (``key="math_accuracy"`` keeps exactly DAPO's
-  0 < accuracy < 1 even when other rewards, such as an overlong penalty, vary within a group).
-- Round 1 samples ``B`` prompts. Each further round samples as many fresh prompts as groups are
-  still missing, up to ``max_rounds`` rounds in all (the bound keeps a step's cost finite when the
-  task is far too easy or too hard).
-- The step trains on the first ``B`` kept groups. After ``max_rounds`` it trains on the kept groups
-  it has (fewer than ``B``; the loss normalises by the real counts). When no group was kept, the
-  last round's batch is returned as it is: every advantage is 0 and the step changes nothing.
+- A group is kept iff its rewards are not all equal: the total, or one reward of the breakdown
+  with ``key`` (``key="math_accuracy"`` keeps exactly DAPO's 0 < accuracy < 1).
+- Round 1 samples the prompts it is given; each further round draws as many fresh prompts from the
+  prompt source as groups are still missing, up to ``max_rounds`` rounds.
+- The batch it returns holds every group drawn, scored (``RolloutBatch.rewards``), with the first B
+  kept groups marked in ``trained_groups``; when none was kept, the last round's groups are (every
+  advantage is then 0). ``metrics`` reports the rounds, groups sampled and kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from grpo_engine.types import RewardOutput, RolloutBatch
+from grpo_engine.protocols import PromptSource, Sampler
+from grpo_engine.types import Prompt, RewardOutput, RolloutBatch
 
 __all__ = ["DynamicSampling", "concat_rollouts", "select_groups"]
-
-Draw = Callable[[int], tuple[RolloutBatch, RewardOutput]]  # k prompts -> their scored groups
 
 
 @dataclass(frozen=True)
 class DynamicSampling:
-    """Keeps sampling until ``num_prompts`` groups with unequal rewards are found (DAPO).
+    """Keeps sampling until ``B`` groups with unequal rewards are found (DAPO); a ``SamplerWrapper``.
 
     Args:
         max_rounds: sampling rounds per step at most (>= 1; 1 only filters).
         key: the breakdown reward to filter on (e.g. "math_accuracy"); None filters on the total.
+        sampler, rewards, prompts: what it draws from, scores with and refills from; set by
+            :meth:`bind` (the trainer binds it to its own).
 
     Example:
-        >>> # trainer = GRPOTrainer(..., dynamic_sampling=DynamicSampling(max_rounds=3))
+        >>> # trainer = GRPOTrainer(model, rewards, prompts, sampler=DynamicSampling(max_rounds=3))
     """
 
     max_rounds: int = 3
     key: str | None = None
+    sampler: Sampler | None = None
+    rewards: Any = None
+    prompts: PromptSource | None = None
 
     def __post_init__(self) -> None:
         if self.max_rounds < 1:
             raise ValueError(f"max_rounds={self.max_rounds} must be >= 1; use e.g. 3")
 
-    def __call__(self, draw: Draw, num_prompts: int) -> tuple[RolloutBatch, RewardOutput, dict[str, float]]:
-        """Returns the batch to train on, its rewards, and counts for the logs.
+    @property
+    def temperature(self) -> float:
+        """The wrapped sampler's temperature (set through to it)."""
+        return self.sampler.temperature
 
-        Args:
-            draw: samples and scores ``k`` fresh prompts.
-            num_prompts: B, the groups a full step trains on.
-        """
-        kept_batches: list[RolloutBatch] = []
-        kept_rewards: list[RewardOutput] = []
-        kept = sampled = rounds = 0
-        all_totals: list[Tensor] = []
-        batch = rewards = None
-        while kept < num_prompts and rounds < self.max_rounds:
-            batch, rewards = draw(num_prompts if rounds == 0 else num_prompts - kept)
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self.sampler.temperature = value
+
+    def bind(self, sampler: Sampler, rewards: Any, prompts: PromptSource) -> DynamicSampling:
+        """A copy that draws from ``sampler``, scores with ``rewards`` and refills from ``prompts``."""
+        return dataclasses.replace(self, sampler=sampler, rewards=rewards, prompts=prompts)
+
+    def sample(self, prompts: Sequence[Prompt], *, group_size: int) -> RolloutBatch:
+        """Every group drawn this step, scored, the ones to train on marked (see the module docstring)."""
+        if self.sampler is None or self.rewards is None or self.prompts is None:
+            raise ValueError("DynamicSampling is not bound to a sampler, rewards and a prompt source; pass it as "
+                             "GRPOTrainer(sampler=DynamicSampling(...)) or call bind(sampler, rewards, prompts)")
+        need, kept, rounds = len(prompts), 0, 0
+        batches: list[RolloutBatch] = []
+        todo = list(prompts)
+        while True:
+            batch = self.sampler.sample(todo, group_size=group_size)
+            rewards = self.rewards(batch)
             rounds += 1
-            sampled += batch.num_prompts
-            all_totals.append(rewards.total.reshape(-1))
             if self.key is not None and self.key not in rewards.breakdown:
                 raise KeyError(f"DynamicSampling(key={self.key!r}) but the rewards are "
                                f"{sorted(rewards.breakdown)}; use one of those names or key=None")
             signal = rewards.total if self.key is None else rewards.breakdown[self.key]
-            informative = (signal != signal[:, :1]).any(dim=1).nonzero().flatten()
-            informative = informative[: num_prompts - kept]
-            if informative.numel():
-                kept_batch, kept_reward = select_groups(batch, rewards, informative)
-                kept_batches.append(kept_batch)
-                kept_rewards.append(kept_reward)
-                kept += informative.numel()
-        assert batch is not None and rewards is not None
-        stats = {
-            "dynamic_sampling/rounds": float(rounds),
-            "dynamic_sampling/groups_sampled": float(sampled),
-            "dynamic_sampling/groups_kept": float(kept),
-            "reward/mean_sampled": torch.cat(all_totals).float().mean().item(),
-        }
-        if not kept_batches:
-            return batch, rewards, stats
-        return concat_rollouts(kept_batches), _concat_rewards(kept_rewards), stats
+            informative = (signal != signal[:, :1]).any(dim=1)
+            take = informative & (informative.long().cumsum(0) <= need - kept)  # the first ones still missing
+            kept += int(take.sum())
+            batches.append(dataclasses.replace(batch, rewards=rewards, trained_groups=take))
+            if kept >= need or rounds >= self.max_rounds:
+                break
+            todo = self.prompts.next_batch(need - kept)
+        if kept == 0:  # nothing to learn from: train on the last round as it is (every advantage 0)
+            batches[-1] = dataclasses.replace(batches[-1], trained_groups=torch.ones_like(batches[-1].trained_groups))
+        merged = concat_rollouts(batches)
+        metrics = {"dynamic_sampling/rounds": float(rounds),
+                   "dynamic_sampling/groups_sampled": float(merged.num_prompts),
+                   "dynamic_sampling/groups_kept": float(kept),
+                   "reward/mean_sampled": merged.rewards.total.float().mean().item()}
+        return dataclasses.replace(merged, metrics=MappingProxyType({**merged.metrics, **metrics}))
 
 
-def select_groups(batch: RolloutBatch, rewards: RewardOutput, groups: Tensor) -> tuple[RolloutBatch, RewardOutput]:
+def select_groups(batch: RolloutBatch, rewards: RewardOutput | None, groups: Tensor
+                  ) -> tuple[RolloutBatch, RewardOutput | None]:
     """The groups ``groups`` (indices into B) of a batch and of its rewards."""
     g = batch.group_size
     rows = (groups[:, None] * g + torch.arange(g)[None, :]).flatten()
     logprobs = batch.sampler_logprobs
+    pick = lambda r: None if r is None else RewardOutput(  # noqa: E731
+        total=r.total[groups], breakdown={k: v[groups] for k, v in r.breakdown.items()})
     picked = RolloutBatch(
         prompts=tuple(batch.prompts[i] for i in groups.tolist()), group_size=g,
         prompt_ids=batch.prompt_ids[rows], prompt_mask=batch.prompt_mask[rows],
         completion_ids=batch.completion_ids[rows], completion_mask=batch.completion_mask[rows],
         is_truncated=batch.is_truncated[rows], texts=tuple(batch.texts[i] for i in rows.tolist()),
-        sampler_logprobs=logprobs[rows] if logprobs is not None else None,
+        sampler_logprobs=logprobs[rows] if logprobs is not None else None, rewards=pick(batch.rewards),
+        trained_groups=batch.trained_groups[groups] if batch.trained_groups is not None else None,
+        metrics=batch.metrics,
     )
-    return picked, RewardOutput(total=rewards.total[groups],
-                                breakdown={k: v[groups] for k, v in rewards.breakdown.items()})
+    return picked, pick(rewards)
 
 
 def _pad(tensors: Sequence[Tensor], width: int, value: float | int | bool, left: bool) -> Tensor:
@@ -134,6 +148,11 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         is_truncated=torch.cat([b.is_truncated for b in batches]),
         texts=tuple(t for b in batches for t in b.texts),
         sampler_logprobs=None if any(lp is None for lp in logprobs) else _pad(logprobs, c_width, 0.0, left=False),
+        rewards=None if any(b.rewards is None for b in batches) else _concat_rewards([b.rewards for b in batches]),
+        trained_groups=None if all(b.trained_groups is None for b in batches) else torch.cat(
+            [b.trained_groups if b.trained_groups is not None else torch.ones(b.num_prompts, dtype=torch.bool)
+             for b in batches]),
+        metrics=MappingProxyType({k: v for b in batches for k, v in b.metrics.items()}),
     )
 
 

@@ -1,0 +1,121 @@
+"""Callbacks: code that runs at fixed points of training, with the trainer's state in and a control
+record out (as transformers' ``TrainerCallback``: ``state``, ``control``).
+
+Events, in order: ``on_init`` (once, when the trainer is built: check the setup), ``on_train_start``,
+then at every step ``on_rollout`` (the batch just sampled and scored, every group drawn, with the
+per-group uncertainty) and ``on_step_end`` (the step's metrics, which a callback may add to), then
+``on_save`` (a checkpoint was written) and ``on_train_end``. ``step()`` itself runs ``on_rollout`` and
+``on_step_end``, so a loop over ``step()`` runs them too. A callback asks through ``TrainerControl``:
+``should_stop`` (``train()`` ends after this step and saves as usual), ``should_save`` (``train()``
+writes a checkpoint after this step), ``should_evaluate`` (:class:`HeldOutEval` evaluates now).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from grpo_engine.types import Prompt, RewardOutput, RolloutBatch
+
+GRPOTrainer = Any  # the trainer calling the event (grpo_engine.trainer imports this module, not the reverse)
+
+__all__ = ["Callback", "TrainerState", "TrainerControl", "HeldOutEval"]
+
+
+@dataclass
+class TrainerState:
+    """Where training stands (read it; the trainer writes it).
+
+    Attributes:
+        step: optimizer steps done (the step just finished, in ``on_step_end``).
+        max_steps: the config's ``max_steps``.
+        train_seconds: seconds spent in steps so far (the clock of ``max_train_seconds``).
+        temperature: the sampling temperature in force.
+        output_dir: the run folder.
+    """
+
+    step: int = 0
+    max_steps: int = 0
+    train_seconds: float = 0.0
+    temperature: float = 1.0
+    output_dir: str = ""
+
+
+@dataclass
+class TrainerControl:
+    """What callbacks ask of the training loop; ``should_save`` and ``should_evaluate`` are reset
+    after each step, ``should_stop`` holds."""
+
+    should_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+
+
+class Callback:
+    """Base class: override the events you need; each does nothing by default.
+
+    Example:
+        >>> class StopAtReward(Callback):
+        ...     def on_step_end(self, trainer, state, control, *, metrics):
+        ...         control.should_stop = metrics["reward/mean"] > 0.9
+    """
+
+    def on_init(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl) -> None:
+        """The trainer is built (raise here to refuse a setup the callback cannot work with)."""
+
+    def on_train_start(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl) -> None:
+        """``train()`` begins."""
+
+    def on_rollout(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl, *,
+                   batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None) -> None:
+        """A step's batch is sampled and scored: every group drawn (``batch.trained_groups`` marks
+        those trained on), rewards [B, G], uncertainty [B] or None."""
+
+    def on_step_end(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl, *,
+                    metrics: dict[str, Any]) -> None:
+        """A step is done; ``metrics`` is the dict that will be logged (add to it)."""
+
+    def on_save(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl, *, path: Any) -> None:
+        """A checkpoint (or the final model) was written to ``path``."""
+
+    def on_train_end(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl) -> None:
+        """``train()`` ends."""
+
+
+class HeldOutEval(Callback):
+    """Greedy pass@1 on held-out prompts every ``every_steps`` steps (or when a callback sets
+    ``control.should_evaluate``), added to that step's metrics as ``eval/pass@1`` (and
+    ``time/eval_s``). Its time is not counted in ``train_seconds``.
+
+    Args:
+        prompts: the held-out prompts.
+        every_steps: >= 1.
+        reward: decides correctness (default: the trainer's first reward).
+        max_new_tokens: generation limit (default: the config's ``max_completion_tokens``).
+
+    Example:
+        >>> # GRPOTrainer(..., callbacks=[HeldOutEval(test_prompts, every_steps=20)])
+    """
+
+    def __init__(self, prompts: Sequence[Prompt], every_steps: int, *, reward: Any = None,
+                 max_new_tokens: int | None = None) -> None:
+        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
+            raise ValueError(f"every_steps={every_steps!r} must be an int >= 1; e.g. HeldOutEval(prompts, "
+                             "every_steps=20)")
+        if not prompts:
+            raise ValueError("HeldOutEval got no prompts; pass the held-out Prompt list")
+        self.prompts, self.every_steps = list(prompts), every_steps
+        self.reward, self.max_new_tokens = reward, max_new_tokens
+
+    def on_step_end(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl, *,
+                    metrics: dict[str, Any]) -> None:
+        if state.step % self.every_steps and not control.should_evaluate:
+            return
+        start = time.perf_counter()
+        metrics.update(trainer.evaluate(self.prompts, reward=self.reward, max_new_tokens=self.max_new_tokens))
+        metrics["time/eval_s"] = time.perf_counter() - start
+        control.should_evaluate = False
