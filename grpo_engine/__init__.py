@@ -2,20 +2,30 @@
 
 The public surface::
 
-    from grpo_engine import GRPOTrainer, GRPOConfig, MemoryPlan, LoRA
+    from grpo_engine import GRPOTrainer, GRPOConfig, MemoryPlan, LoRA, HeldOutEval
     from grpo_engine.rewards import MathAccuracy, ThinkAnswerFormat, Reward
     from grpo_engine.data import load_jsonl_prompts, load_gsm8k, arithmetic_task
 """
 
 from grpo_engine.advantages import RLOO, GroupNormalized, MeanBaseline, ReinforcePlusPlusBaseline
+from grpo_engine.callbacks import Callback, HeldOutEval, TrainerControl, TrainerState
 from grpo_engine.config import GRPOConfig
 from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.memory import LoRA, MemoryPlan
-from grpo_engine.protocols import AdvantageFn, EntropyEstimator, GRPOLoss, RewardFn, Sampler
+from grpo_engine.protocols import (
+    AdvantageFn,
+    EntropyEstimator,
+    GRPOLoss,
+    PromptSource,
+    RewardFn,
+    RewardTransform,
+    Sampler,
+    SamplerWrapper,
+)
 from grpo_engine.rewards import Reward, WeightedSum
 from grpo_engine.sampling import HFSampler
 from grpo_engine.trainer import GRPOTrainer
-from grpo_engine.types import LossOutput, MicroBatch, Prompt, RewardOutput, RolloutBatch
+from grpo_engine.types import LossOutput, MicroBatch, Prompt, Requirements, RewardOutput, RolloutBatch
 
 __version__ = "0.1.0"
 
@@ -29,7 +39,15 @@ __all__ = [
     "RewardOutput",
     "MicroBatch",
     "LossOutput",
+    "Requirements",
+    "Callback",
+    "HeldOutEval",
+    "TrainerState",
+    "TrainerControl",
     "Sampler",
+    "SamplerWrapper",
+    "PromptSource",
+    "RewardTransform",
     "RewardFn",
     "EntropyEstimator",
     "AdvantageFn",
