@@ -18,6 +18,7 @@ Memory-related settings (LoRA, checkpointing, optimizer, micro-batch size) live 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -25,7 +26,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-__all__ = ["FrozenModel", "GRPOConfig", "load_yaml", "dump_yaml"]
+__all__ = ["FrozenModel", "GRPOConfig", "load_yaml", "dump_yaml", "lr_factor"]
 
 M = TypeVar("M", bound="FrozenModel")
 
@@ -157,3 +158,23 @@ GRPOConfig.field_rules = {
     "max_train_seconds": (lambda v: v is None or v > 0, "must be > 0", "use null for no time limit"),
     "save_every_steps": (lambda v: v is None or v >= 1, "must be >= 1", "use null to save only at the end"),
 }
+
+
+def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0) -> float:
+    """The learning-rate multiplier of ``step``: linear warm-up, then the schedule over the run's
+    progress, the larger of the step fraction and (with ``max_train_seconds``) the time fraction.
+
+    Example:
+        >>> lr_factor(GRPOConfig(lr_schedule="linear", max_steps=10), 5)
+        0.5
+    """
+    if step < config.warmup_steps:
+        return (step + 1) / (config.warmup_steps + 1)
+    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
+    if config.max_train_seconds is not None:  # whichever budget ends first, in train() or a loop over step()
+        progress = max(progress, train_seconds / config.max_train_seconds)
+    if config.lr_schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    if config.lr_schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0

@@ -14,7 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "StageTimer"]
+from grpo_engine.ops.groups import zero_std_fraction
+from grpo_engine.types import RewardOutput, RolloutBatch
+
+__all__ = ["MetricsLogger", "StageTimer", "rollout_metrics"]
 
 _BAR_KEYS = (("reward", "reward/mean"), ("len", "completion_length/mean"), ("s/step", "time/step_s"))
 
@@ -94,3 +97,23 @@ class StageTimer:
         out = {f"time/{k}_s": v for k, v in self._seconds.items()}
         out["time/step_s"] = time.perf_counter() - self._start
         return out
+
+
+def rollout_metrics(batch: RolloutBatch, rewards: RewardOutput) -> dict[str, float]:
+    """The logged numbers of a step's batch: reward mean / std (total and per reward), completion
+    lengths, the truncated and zero-std fractions, generated tokens."""
+    lengths = batch.completion_lengths.float()
+    total = rewards.total.float()
+    metrics = {
+        "reward/mean": total.mean().item(),
+        "reward/std": total.std().item() if total.numel() > 1 else 0.0,
+        "completion_length/mean": lengths.mean().item(),
+        "completion_length/max": lengths.max().item(),
+        "truncated_fraction": batch.is_truncated.float().mean().item(),
+        "zero_std_fraction": zero_std_fraction(total).item(),
+        "tokens/generated": lengths.sum().item(),
+    }
+    for name, scores in rewards.breakdown.items():
+        metrics[f"reward/{name}/mean"] = scores.float().mean().item()
+        metrics[f"reward/{name}/std"] = scores.float().std().item() if scores.numel() > 1 else 0.0
+    return metrics

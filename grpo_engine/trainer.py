@@ -26,11 +26,11 @@ from torch import Tensor, nn
 from grpo_engine.advantages import GroupNormalized
 from grpo_engine.callbacks import Callback, TrainerControl, TrainerState
 from grpo_engine.checkpoint import save_pretrained_atomic
-from grpo_engine.config import GRPOConfig
+from grpo_engine.config import GRPOConfig, lr_factor
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.data.templates import PromptTemplate
 from grpo_engine.eval import evaluate
-from grpo_engine.logging import MetricsLogger, StageTimer
+from grpo_engine.logging import MetricsLogger, StageTimer, rollout_metrics
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.memory.apply import (
@@ -43,7 +43,6 @@ from grpo_engine.memory.apply import (
 )
 from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.models import load_model
-from grpo_engine.ops.groups import zero_std_fraction
 from grpo_engine.ops.tokens import token_entropy_mean
 from grpo_engine.protocols import (
     AdvantageFn,
@@ -272,25 +271,19 @@ class GRPOTrainer:
 
     def _updates(self, batch: RolloutBatch, advantages: Tensor, old: Tensor | None, ref: Tensor | None
                  ) -> dict[str, float]:
-        """``updates_per_batch`` policy updates on the batch; the metrics of the last one."""
-        loss_metrics: dict[str, float] = {}
+        """``updates_per_batch`` policy updates (gradients, clip, optimizer step); the last one's metrics."""
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        metrics: dict[str, float] = {}
         for update in range(self.config.updates_per_batch):
             record = None
             if old is None and update + 1 < self.config.updates_per_batch:  # later updates need the sampling policy's
                 record = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
-            loss_metrics = self._update(batch, advantages, old, ref, record=record)
+            metrics = self.compute_gradients(batch, advantages, old_logprobs=old, ref_logprobs=ref,
+                                             record_logprobs=record)
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), max_norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)  # no gradient memory held while the next batch samples
             old = record if record is not None else old
-        return loss_metrics
-
-    def _update(self, batch: RolloutBatch, advantages: Tensor, old: Tensor | None, ref: Tensor | None,
-                record: Tensor | None = None) -> dict[str, float]:
-        """One policy update: accumulate the micro-batch gradients, clip, step the optimizer."""
-        metrics = self.compute_gradients(batch, advantages, old_logprobs=old, ref_logprobs=ref,
-                                         record_logprobs=record)
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), max_norm))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # no gradient memory held while the next batch samples
         return metrics
 
     def compute_gradients(self, batch: RolloutBatch, advantages: Tensor, *, old_logprobs: Tensor | None = None,
@@ -317,7 +310,7 @@ class GRPOTrainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens, num_sequences = self._counts(batch)
+        num_tokens, num_sequences = (int(c) for c in self.loss.counts(batch.completion_mask, batch.is_truncated))
         pass_entropy = self.loss.requires.entropy
         with_entropy = pass_entropy or self.config.log_token_entropy
         sums: dict[str, float] = dict.fromkeys(self._metric_keys, 0.0)
@@ -360,11 +353,6 @@ class GRPOTrainer:
         self._metric_keys = tuple(sums)  # a step that trained no row still logs every key (as 0)
         return {key: float(value) for key, value in sums.items()}
 
-    def _counts(self, batch: RolloutBatch) -> tuple[int, int]:
-        """Step-global (valid tokens, sequences) the loss normalises by (the loss may leave rows out)."""
-        tokens, sequences = self.loss.counts(batch.completion_mask, batch.is_truncated)
-        return int(tokens), int(sequences)
-
     def _can_record_old(self) -> bool:
         """Whether a training forward pass computes exactly the sampling policy's log-probs (no dropout)."""
         return self.memory.lora is None or self.memory.lora.dropout == 0
@@ -393,20 +381,7 @@ class GRPOTrainer:
     # -- metrics, schedule ---------------------------------------------------------------------
 
     def _batch_metrics(self, batch: RolloutBatch, rewards: RewardOutput) -> dict[str, float]:
-        lengths = batch.completion_lengths.float()
-        total = rewards.total.float()
-        metrics = {
-            "reward/mean": total.mean().item(),
-            "reward/std": total.std().item() if total.numel() > 1 else 0.0,
-            "completion_length/mean": lengths.mean().item(),
-            "completion_length/max": lengths.max().item(),
-            "truncated_fraction": batch.is_truncated.float().mean().item(),
-            "zero_std_fraction": zero_std_fraction(total).item(),
-            "tokens/generated": lengths.sum().item(),
-        }
-        for name, scores in rewards.breakdown.items():
-            metrics[f"reward/{name}/mean"] = scores.float().mean().item()
-            metrics[f"reward/{name}/std"] = scores.float().std().item() if scores.numel() > 1 else 0.0
+        metrics = rollout_metrics(batch, rewards)
         if metrics["zero_std_fraction"] == 1.0 and not self._warned_zero_std:
             self._warned_zero_std = True
             warnings.warn(
@@ -416,17 +391,7 @@ class GRPOTrainer:
         return metrics
 
     def _lr_factor(self, step: int) -> float:
-        cfg = self.config
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        if cfg.max_train_seconds is not None:  # whichever budget ends first, in train() or a loop over step()
-            progress = max(progress, self.train_seconds / cfg.max_train_seconds)
-        if cfg.lr_schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        if cfg.lr_schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
+        return lr_factor(self.config, step, self.train_seconds)
 
 
 def _trained_groups(batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None
