@@ -1,55 +1,18 @@
-"""Group-relative advantages: one scalar per completion from the rewards of its group.
+"""Group-relative advantages: rewards [B, G] (G completions of each of B prompts) to advantages [B, G].
 
-Every estimator maps rewards [B, G] (B prompts, G completions each) to advantages [B, G]; the
-loss broadcasts a completion's advantage to all of its tokens. Notation: r_bg is the reward of
-completion g of prompt b, mean_g and std_g are taken over the G rewards of prompt b, and "the
-batch" is the B * G rewards passed in (one step; under data parallelism, the rewards of this
-process unless the caller gathers them).
+- ``GroupNormalized``: A = (r - mean_g r) / (std_g r + eps) with ``std_scope="group"`` (GRPO, arXiv
+  2402.03300); ``"batch"`` divides by the std of all B * G rewards (Lite PPO, arXiv 2508.08221);
+  ``"none"`` is A = r - mean_g r (Dr. GRPO, arXiv 2503.20783), the code path of ``MeanBaseline()``.
+- ``RLOO`` (arXiv 2402.14740): r minus the mean of the other G - 1 rewards, = G/(G-1) · (r - mean_g r).
+- ``ReinforcePlusPlusBaseline`` (REINFORCE++-baseline, arXiv 2501.03262): a = r - mean_g r, whitened
+  over the B * G completions, each counted once: A = (a - mean a) / (std a + eps).
+- ``EntropyScaled`` (SEED-GRPO, arXiv 2505.12346): a base advantage times f(strength · u_b), f
+  decreasing with f(0) = 1, u_b the group's normalised semantic entropy (the ``uncertainty``).
 
-``GroupNormalized(std_scope=...)`` subtracts the group mean and divides by a std + ``eps``:
-
-* ``"group"`` (default): A_bg = (r_bg - mean_g r_b) / (std_g r_b + eps), the outcome-supervision
-  advantage of GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300).
-* ``"batch"``: A_bg = (r_bg - mean_g r_b) / (std(all B * G rewards) + eps): group mean, batch std,
-  as in Lite PPO (Liu et al. 2025, arXiv 2508.08221) and TRL ``scale_rewards="batch"`` (TRL takes
-  the std of the raw rewards of the whole batch, as here, and uses eps = 1e-4).
-* ``"none"``: A_bg = r_bg - mean_g r_b, the mean-only advantage of Dr. GRPO (Liu et al. 2025,
-  arXiv 2503.20783), which removes the 1/std up-weighting of too easy and too hard prompts.
-  ``MeanBaseline()`` is the same computation under its paper name (one code path, equal bits).
-
-``RLOO`` (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740) subtracts the mean of the
-*other* G - 1 rewards: A_bg = r_bg - sum_{j != g} r_bj / (G - 1) = G / (G - 1) * (r_bg - mean_g r_b),
-so it is Dr. GRPO's advantage times the constant G / (G - 1).
-
-``ReinforcePlusPlusBaseline`` (REINFORCE++-baseline, Hu 2025, arXiv 2501.03262; OpenRLHF
-``reinforce_baseline``, verl ``reinforce_plus_plus_baseline``) subtracts the group mean, then
-whitens over the batch: A = (a - mean_batch a) / (std_batch a + eps) with a_bg = r_bg - mean_g r_b.
-We whiten the B * G *completions*, each weighted equally. With equal group sizes mean_batch a is 0
-up to rounding, so the output is the group-centred reward divided by its batch std.
-verl tiles each advantage over the completion's tokens and whitens the tokens (``masked_whiten``:
-token-weighted mean, Bessel-corrected variance over the token count, scale 1/sqrt(var + 1e-8));
-OpenRLHF also whitens tokens, with the biased variance and 1/sqrt(max(var, 1e-8)). Token
-whitening weights a completion by its length, so long completions dominate the statistics, and
-its mean is not 0: a group whose rewards are all equal then gets the nonzero advantage
--mean_tok / std_tok there, and exactly 0 here. With equal lengths L the two agree except for the
-Bessel factor (N / (N - 1) here, N L / (N L - 1) in verl, N = B * G) and the place of eps.
-
-``EntropyScaled`` (SEED-GRPO, Chen et al. 2025, arXiv 2505.12346) multiplies a base advantage
-(``GroupNormalized()`` by default) by a decreasing function of the group's normalised semantic
-entropy u in [0, 1]: A_bg = base(r)_bg * f(strength * u_b), so uncertain prompts get smaller
-updates and confident ones keep (close to) the full signal; see its docstring for the choices of f.
-
-Choices shared by all estimators:
-
-* every std is the unbiased one (Bessel, divide by n - 1), as ``torch.std``, TRL and verl use;
-  ``eps`` (default 1e-6, verl's group value) is added to the std, never to the variance;
-* a group whose G rewards are all equal gets advantage exactly 0, whatever rounding the mean
-  has: it carries no learning signal (for the batch-whitened estimator this is what the math
-  gives, since the batch mean of the centred rewards is 0);
-* G = 1 is rejected (every advantage would be 0; RLOO's baseline is undefined), unlike verl's
-  mean 0 / std 1 fallback;
-* ``uncertainty`` is accepted for the ``AdvantageFn`` protocol and ignored (except by ``EntropyScaled``);
-* computation is in float32, or float64 for float64 rewards. Pure: no ``.item()``, no logging.
+Shared rules: mean_g and std_g are over a prompt's G rewards; every std is unbiased (n - 1), with
+``eps`` (default 1e-6) added to the std; a group of equal rewards gets exactly 0; G = 1 is rejected;
+"the batch" is the rewards passed in (this process's); float32, or float64 for float64 rewards; pure.
+docs/algorithms.md compares these estimators with TRL, verl and OpenRLHF.
 """
 
 from __future__ import annotations
@@ -174,7 +137,7 @@ class ReinforcePlusPlusBaseline:
     """REINFORCE++-baseline: subtract the group mean, then whiten over the B * G completions.
 
     A = (a - mean_batch a) / (std_batch a + eps), a_bg = r_bg - mean_g r_b, std unbiased (n = B * G).
-    Each completion counts once (verl and OpenRLHF whiten tokens; see the module docstring).
+    Each completion counts once (verl and OpenRLHF whiten tokens; docs/algorithms.md compares them).
 
     Args:
         eps: >= 0, added to the batch std before dividing.

@@ -1,5 +1,5 @@
 """Callbacks: code that runs at fixed points of training, with the trainer's state in and a control
-record out (as transformers' ``TrainerCallback``: ``state``, ``control``).
+record out.
 
 Events, in order: ``on_init`` (once, when the trainer is built: check the setup), ``on_train_start``,
 then at every step ``on_rollout`` (the batch just sampled and scored, every group drawn, with the

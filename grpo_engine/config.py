@@ -2,18 +2,17 @@
 
 Every model here is a frozen pydantic record with ``extra="forbid"``: a misspelled field is an
 error, and one ``ValidationError`` lists every bad field at once, each with its value, the rule it
-breaks and the fix. ``to_yaml`` / ``from_yaml`` round-trip a config through a YAML file.
-
-Batch vocabulary (the units are in the names):
+breaks and the fix. ``to_yaml`` / ``from_yaml`` round-trip a config through a YAML file. Batch
+vocabulary (the units are in the names):
 
 - ``prompts_per_step`` (B): prompts sampled for one optimizer step.
-- ``group_size`` (G): completions sampled per prompt.
-- ``completions_per_step`` = B * G, derived.
+- ``group_size`` (G): completions sampled per prompt; ``completions_per_step`` = B * G, derived.
 - ``updates_per_batch`` (μ): policy updates on one rollout batch.
 - ``max_prompt_tokens``, ``max_completion_tokens``: token limits.
 
-Memory-related settings (LoRA, checkpointing, optimizer, micro-batch size) live in
-:class:`grpo_engine.memory.MemoryPlan`.
+:func:`lr_factor` is the learning-rate schedule: a linear warm-up, (step + 1) / (warmup_steps + 1), then
+constant, linear or cosine over the run's progress, the larger of the step fraction and (with
+``max_train_seconds``) the time fraction. Memory settings live in :class:`grpo_engine.memory.MemoryPlan`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """Held-out evaluation: pass@1 (greedy and sampled), pass@k and maj@k of a policy on a prompt set.
 
-What is computed, for n prompts (see ``docs/evaluation.md``):
+For n prompts (docs/evaluation.md): ``pass@1`` is the fraction whose greedy completion is correct;
+``avg@k`` (sampled pass@1) is the mean over prompts of c/k, with c of k samples at ``temperature``
+correct; ``pass@k`` is the mean of Chen et al.'s unbiased 1 - C(s-c, k) / C(s, k) for c correct of s
+samples (arXiv 2107.03374), computed as a product (:func:`pass_at_k`); with s = k samples drawn, it is
+the fraction of prompts with at least one correct sample; ``maj@k`` is the fraction whose majority
+answer is correct: final answers are extracted as ``MathAccuracy`` does, clustered with math-verify's
+``answers_equal`` (:func:`majority_vote`), and the majority answer (the first member of the largest
+cluster) is correct when the reward scored that sample correct.
 
-- ``pass@1`` (greedy): the fraction of prompts whose greedy completion is correct.
-- ``avg@k`` (sampled pass@1): k completions per prompt at ``temperature``; the mean over prompts
-  of c/k, where c is the number of correct samples of that prompt.
-- ``pass@k``: the mean over prompts of the unbiased estimator 1 - C(n-c, k) / C(n, k) of Chen et
-  al. (2021, "Evaluating Large Language Models Trained on Code", arXiv 2107.03374), computed as a
-  product (:func:`pass_at_k`). Here exactly k samples are drawn (n = k), so it is the fraction of
-  prompts with at least one correct sample.
-- ``maj@k``: the fraction of prompts whose majority answer is correct. Each sample's final answer
-  is extracted as ``MathAccuracy`` does (the last ``<answer>`` tag, else the last ``\\boxed{}``,
-  else the last number); answers are clustered with the rewards' equivalence (math-verify, via
-  ``answers_equal``) by :func:`majority_vote`; the majority answer is correct when the sample it
-  was taken from (the cluster's first member) was scored correct by the reward.
-
-A completion is correct when the reward gives it at least ``threshold`` (1.0 for
-``MathAccuracy``). Prompts are rendered with the same template the sampler uses. Sampling is
-seeded inside a forked RNG, so an evaluation never changes the caller's random state; samples
-are reproducible for the same seed, ``batch_size`` and hardware.
+A completion is correct when the reward gives it at least ``threshold`` (1.0 for ``MathAccuracy``).
+Prompts are rendered with the sampler's template. Sampling is seeded inside a forked RNG, so an
+evaluation never changes the caller's random state; samples reproduce for the same seed,
+``batch_size`` and hardware.
 """
 
 from __future__ import annotations

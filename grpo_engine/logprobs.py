@@ -1,21 +1,18 @@
 """Per-token log-probs of completion tokens without ever holding the [N, T, V] logits.
 
-The decoder runs once and returns hidden states [n, T, H]. Only the hidden states that predict a
-kept completion token are gathered (prompt and padding positions are never projected), then the
-lm_head projection and the log-softmax at the sampling temperature run over chunks of
-``chunk_size`` tokens. With gradients enabled each chunk is checkpointed: the backward pass
-recomputes that chunk's logits from its hidden states, so the backward never holds more than one
-chunk of logits either. Peak logits memory is ``chunk_size * V`` floats, not ``n * T * V``.
+The decoder runs once and returns hidden states [n, T, H]. Only those that predict a kept completion
+token are gathered (prompt and padding positions are never projected); the lm_head projection and the
+log-softmax at the sampling temperature then run over chunks of ``chunk_size`` tokens. With gradients
+each chunk is checkpointed, so the backward recomputes its logits: at most ``chunk_size * V`` logits
+exist, never ``n * T * V`` (with ``vocab_tile`` a plain linear head is also cut into vocabulary tiles).
 
     log p(y_t) = z_{y_t} / tau - logsumexp(z / tau),   z = lm_head(h_{t-1}) in float32
 
-Position ids follow the sampler's decoding loop (and transformers' ``generate``) for left-padded prompts
-(``cumsum(attention_mask) - 1``), so the log-probs equal those of the sampler.
-
-Prompt sharing: the G completions of a group share one prompt. With ``share_prompt`` the decoder
-runs once over each distinct prompt (with gradients), its KV cache is gathered to the rows, and
-a second call runs only the completion tokens against it. The prompt's forward and backward then
-cost one row per group instead of G; the result equals the full pass up to float rounding.
+Position ids are ``cumsum(attention_mask) - 1`` for left-padded prompts, as in the sampler's decoding
+loop, so the log-probs equal the sampler's. With ``share_prompt`` the decoder runs once over each
+distinct prompt (with gradients), its KV cache is gathered to the rows, and a second call runs only the
+completion tokens against it: the prompt's forward and backward cost one row per group instead of G,
+and the result equals the full pass up to float rounding.
 """
 
 from __future__ import annotations

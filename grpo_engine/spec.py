@@ -1,19 +1,18 @@
 """RunSpec: a whole training run as one YAML file, the input of ``grpo-engine train``.
 
-Numbers and switches are the same pydantic records the Python API uses (``GRPOConfig``,
-``MemoryPlan``). Components are written as an import path plus keyword arguments::
+Numbers and switches are the pydantic records of the Python API (``config``: GRPOConfig, ``memory``:
+MemoryPlan). Components (``train_prompts``, ``rewards``; optional ``advantage``, ``loss``, ``template``,
+``sampler``, ``entropy``, ``callbacks``) are an import path plus keyword arguments::
 
     model: HuggingFaceTB/SmolLM2-135M-Instruct
     train_prompts: {function: grpo_engine.data.load_gsm8k, path: data/gsm8k/train.jsonl}
-    rewards:
-      - {class: grpo_engine.rewards.MathAccuracy}
-      - {class: grpo_engine.rewards.ThinkAnswerFormat, weight: 0.2}
+    rewards: [{class: grpo_engine.rewards.MathAccuracy}, {class: grpo_engine.rewards.BoxedFormat, weight: 0.1}]
     loss: {class: grpo_engine.losses.ClippedSurrogate, clip_eps_high: 0.28}
     config: {prompts_per_step: 4, group_size: 8}
     memory: {lora: {r: 16}, micro_batch_size: 8}
 
-The CLI builds the objects; the core only ever sees objects. Import paths in a YAML file are code
-the user chose to run, like any Python script; model output is never executed.
+The CLI builds the objects; the core only ever sees objects. Import paths in a YAML file are code the
+user chose to run, like any Python script; model output is never executed.
 """
 
 from __future__ import annotations

@@ -1,37 +1,18 @@
 """Semantic entropy of each group, online, from the G completions a prompt already has.
 
-Implemented (Kuhn, Gal, Farquhar, ICLR 2023, arXiv 2302.09664; Farquhar, Kossen, Kuhn, Gal,
-Nature 2024), with answer equivalence in place of NLI entailment, as suits verifiable answers:
-
-1. Each completion's final answer is extracted (``extract``, by default :func:`final_answer`,
-   the rule ``MathAccuracy`` uses: last ``<answer>`` tag, else last ``\\boxed{}``, else last number).
-2. The G answers of a group are clustered greedily (:func:`cluster_answers`): an answer joins the
-   first cluster whose representative (its first member) it equals *in both directions*
-   (``equal(rep, a) and equal(a, rep)``, the analogue of bidirectional entailment; identical
-   strings always match). The default equivalence is math-verify's (``answers_equal``), which
-   treats its first argument as the gold one. A completion without an answer is a cluster of its own.
-3. Cluster probabilities p_c over the G completions, then SE = -sum_c p_c ln p_c (natural log):
-
-   * ``mode="discrete"`` (Farquhar et al.'s discrete SE, no likelihoods needed): p_c = |c| / G.
-   * ``mode="likelihood"`` (Farquhar et al.'s "sum-normalised" Rao form): with l_s the
-     length-normalised log-likelihood of completion s (the mean of ``batch.sampler_logprobs``
-     over its kept tokens), p_c = sum_{s in c} exp(l_s) / sum_all exp(l_s), computed with
-     logsumexp. The sampled set is renormalised, so this is not Kuhn et al.'s Monte Carlo form
-     -(1/|C|) sum_c ln p(c).
-
-4. ``normalize=True`` divides by ln G, the entropy of G singleton clusters (the maximum), so the
-   result lies in [0, 1].
-
-Correctness-aware variant (``among``): the same entropy over a subset of the group only, the
-completions whose correctness score is below ``correct_threshold`` (``"wrong"``: how scattered
-the wrong answers are) or at or above it (``"right"``). The score is ``rewards.total``, or
-``rewards.breakdown[correct_key]`` when given (use the accuracy reward's name when the total mixes
-in format or length terms). Clusters are formed over the whole group and restricted to the subset;
-probabilities are renormalised over the subset of size m, and ``normalize`` divides by ln m. A
-subset with fewer than 2 members has entropy 0 (nothing to be uncertain between).
-
-Pure: no ``.item()``, no logging; the clustering runs math-verify on the CPU (in the main thread
-its timeouts are active), O(G * K) comparisons per group for K clusters.
+Kuhn et al. (ICLR 2023, arXiv 2302.09664) and Farquhar et al. (Nature 2024), with answer equivalence in
+place of NLI entailment: (1) each completion's final answer is extracted (``extract``, by default
+:func:`final_answer`: last ``<answer>`` tag, else last ``\\boxed{}``, else last number); (2) the G answers
+are clustered greedily (:func:`cluster_answers`): an answer joins the first cluster whose first member it
+equals in both directions (``equal``, by default math-verify's ``answers_equal``; identical strings always
+match), and a completion without an answer is a cluster of its own; (3) SE = -Σ_c p_c ln p_c, with
+p_c = |c| / G (``mode="discrete"``) or p_c = Σ_{s in c} exp(l_s) / Σ_s exp(l_s) (``mode="likelihood"``,
+l_s the mean of ``batch.sampler_logprobs`` over s's kept tokens, by logsumexp: the sum-normalised form,
+not Kuhn et al.'s Monte Carlo -(1/|C|) Σ_c ln p(c)); (4) ``normalize=True`` divides by ln G, into [0, 1].
+``among="wrong"`` / ``"right"``: the same over the completions whose score (``rewards.total``, or
+``breakdown[correct_key]``) is below / at or above ``correct_threshold``; clusters come from the whole
+group, p_c is renormalised over the m members, ``normalize`` divides by ln m, and m < 2 gives 0.
+Pure (no ``.item()``, no logging); math-verify runs on the CPU, O(G · K) comparisons for K clusters.
 """
 
 from __future__ import annotations

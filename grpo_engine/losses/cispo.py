@@ -1,35 +1,18 @@
 """CISPO: REINFORCE on every token, weighted by a clipped, stop-gradient importance weight.
 
-Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv 2506.13585, eqs. 4-5). Per valid
-token t of completion i (mask m):
+Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv 2506.13585, eqs. 4-5). Per valid token t of
+completion i (mask m; k the ``kl_estimator``):
 
-    ratio_it  = exp(logprobs_it - old_it)
-    w_it      = sg(clip(ratio_it, 1 - clip_eps_low, 1 + clip_eps_high))
-    ℓ_it      = -w_it · A_i · logprobs_it + kl_coef · k(logprobs_it, ref_it)
-    loss      = Σ_it ℓ_it m_it / num_valid_tokens                            (token mean)
+    w_it = sg(clip(exp(logprobs_it - old_it), 1 - clip_eps_low, 1 + clip_eps_high))
+    loss = Σ_it m_it · (-w_it · A_i · logprobs_it + kl_coef · k(logprobs_it, ref_it)) / num_valid_tokens
 
-* Clip: on the importance *weight*, not on the surrogate, so no token ever loses its gradient
-  (∇ℓ_it = -w_it A_i ∇log π_θ); the paper keeps low-probability "reflection" tokens this way.
-  ``clip_eps_low=None`` (the default) means no lower bound, as in the paper (which sets ε_low
-  large) and in TRL. ``clip_eps_high`` is the upper ε: the cap on the weight is
-  1 + clip_eps_high. The default 4.0 caps weights at 5.0, TRL's documented recommendation for
-  its ``epsilon_high`` (the ScaleRL paper's ε_max, arXiv 2510.13786).
-* TRL's ``loss_type="cispo"`` names the cap itself ``epsilon_high`` (``min(ratio,
-  epsilon_high)``), so TRL ``epsilon_high = 1 + clip_eps_high`` here. Left unset, TRL's
-  ``epsilon_high`` falls back to ``epsilon`` (0.2) and caps every weight at 0.2. verl's
-  ``cispo`` uses ``clip(ratio, 1 - ε_low, 1 + ε_high)`` as here.
-* Old policy: ``batch.old_logprobs``, or the detached current log-probs when None: every
-  weight is then exactly 1 and the loss is plain token-mean REINFORCE, -Σ A log π_θ / count.
-  The loss *value* is not an objective estimate (it scales with log π_θ); its gradient is.
-* Aggregation: token mean over the whole step (DAPO-style), like TRL's ``cispo`` (its global
-  ``num_items_in_batch``), so loss and gradient match TRL with the cap mapped as above.
-* KL (off by default): estimator ``kl_estimator`` per token, token mean, as for ClippedSurrogate.
-* Metric ``clip_fraction``: valid tokens whose weight was clipped (either bound) and whose
-  advantage is non-zero (where the clip changes the gradient), over ``num_valid_tokens``. TRL's
-  ``cispo_clip_ratio`` counts only ratio > cap with A > 0.
-* Truncated completions are treated like any other; advantages arrive precomputed.
-
-Computation is in float32 (or float64 for float64 inputs); padding never reaches arithmetic.
+The clip acts on the weight, not on the surrogate, so every token keeps its gradient -w_it A_i ∇log π_θ.
+``clip_eps_low=None`` (the default) means no lower bound; the cap is 1 + ``clip_eps_high`` (default 4.0,
+a cap of 5). Old policy: ``batch.old_logprobs``, or the detached current log-probs, which make every
+weight exactly 1 (token-mean REINFORCE); the loss value is not an objective estimate, its gradient is.
+Aggregation: the step's token mean, KL included (off by default). ``clip_fraction``: valid tokens with a
+clipped weight (either bound) and A ≠ 0, over ``num_valid_tokens``. Truncated rows count like any other;
+float32 (float64 for float64 inputs); padding never reaches arithmetic. TRL and verl: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -56,7 +39,7 @@ class CISPO:
         clip_eps_low: ε_low >= 0, weights are clipped below at 1 - ε_low; None: no lower bound.
         clip_eps_high: ε_high >= 0, weights are capped at 1 + ε_high (default 4.0: cap 5).
         kl_coef: β >= 0 on the per-token KL to the reference policy; 0 disables it.
-        kl_estimator: ``"k3"``, ``"k2"`` or ``"k1"`` (see :mod:`grpo_engine.losses.kl`).
+        kl_estimator: ``"k3"``, ``"k2"`` or ``"k1"`` (see :mod:`grpo_engine.ops.kl`).
 
     Example:
         >>> from grpo_engine.types import MicroBatch

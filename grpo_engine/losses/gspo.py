@@ -1,37 +1,18 @@
 """GSPO: the clipped surrogate on a sequence-level importance ratio.
 
-Group Sequence Policy Optimization (Qwen team, Zheng et al. 2025, arXiv 2507.18071). Per
-completion i with valid tokens t (mask m, length |o_i| = Σ_t m_it):
+Group Sequence Policy Optimization (Qwen, arXiv 2507.18071). Per completion i (mask m, |o_i| = Σ_t m_it):
 
-    s_i  = exp( Σ_t m_it (logprobs_it - old_it) / |o_i| )      (geometric mean of token ratios)
+    s_i  = exp( Σ_t m_it (logprobs_it - old_it) / |o_i| )      (geometric mean of token ratios, eq. 7)
     ℓ_i  = -min(s_i · A_i, clip(s_i, 1 - clip_eps_low, 1 + clip_eps_high) · A_i)
     loss = Σ_i [ℓ_i + kl_coef · mean_t k(logprobs_it, ref_it)] / num_sequences
 
-* Ratio: the length-normalised sequence likelihood ratio (paper eq. 7), one per completion,
-  so a whole sequence is clipped or kept. No clamp on the log-ratio (verl clamps it at 10;
-  TRL does not).
-* Clip: the paper's tiny range, ε_low = 3e-4 and ε_high = 4e-4 (§5.1), as defaults.
-* Old policy: ``batch.old_logprobs``, or the detached current log-probs when None (one update
-  per batch): s_i is then exactly 1 and ∇ℓ_i = -A_i ∇ mean_t log π_θ. GSPO only differs from
-  GRPO when training off-policy (μ > 1 or a separate sampler).
-* Aggregation: mean over sequences (Σ_i / ``num_sequences``), which is what TRL's
-  ``loss_type="grpo"`` computes with ``importance_sampling_level="sequence"``. TRL's
-  token-summing ``dapo``/``bnpo``/``dr_grpo``/``cispo`` with sequence level instead weight each
-  sequence by its length (TRL warns about this); there is no such mode here.
-* ``level="token"`` is GSPO-token (paper eq. 13, verl's ``gspo`` loss):
-  s_it = sg[s_i] · exp(logprobs_it - sg[logprobs_it]), clipped per token, aggregated
-  seq-mean-token-mean. Its value is s_i on every token, and with one advantage per
-  completion (``MicroBatch.advantages`` is [n]) its clipping condition and gradient
-  (∂s_it/∂logprobs_it = s_i, then 1/|o_i|) are also exactly those of ``"sequence"`` — the
-  paper notes the same; the two differ only with per-token advantages, which this library
-  does not pass. It is provided for parity with verl.
-* KL (off by default, β = 0 in the paper): estimator ``kl_estimator`` of KL(π_θ ‖ π_ref) per
-  token, averaged per sequence and then over sequences, like TRL's ``grpo`` aggregation (with
-  its ``use_bias_correction_kl=False``; TRL's default multiplies the KL by s_i).
-* Truncated completions are treated like any other; advantages (one per completion) arrive
-  precomputed, the paper uses the group z-score.
-
-Computation is in float32 (or float64 for float64 inputs); padding never reaches arithmetic.
+A whole sequence is clipped or kept; the log-ratio is not clamped; the defaults are the paper's tiny
+range, ε_low = 3e-4 and ε_high = 4e-4 (§5.1). Old policy: ``batch.old_logprobs``, or the detached current
+log-probs: s_i is then exactly 1 and ∇ℓ_i = -A_i ∇ mean_t log π_θ, so GSPO differs from GRPO only
+off-policy. ``level="token"`` is GSPO-token (eq. 13): s_it = sg[s_i] · exp(logprobs_it - sg[logprobs_it]),
+clipped per token, seq-mean-token-mean; with one advantage per completion its value, clip and gradient
+are exactly ``"sequence"``'s. KL: off by default (β = 0 in the paper), not weighted by s_i. Truncated
+rows count like any other. float32 (float64 for float64 inputs); padding never reaches arithmetic.
 """
 
 from __future__ import annotations
@@ -60,7 +41,7 @@ class GSPO:
         clip_eps_low: ε_low >= 0; s_i is clipped below at 1 - ε_low.
         clip_eps_high: ε_high >= 0; s_i is clipped above at 1 + ε_high.
         kl_coef: β >= 0 on the per-token KL to the reference policy; 0 disables it.
-        kl_estimator: ``"k3"``, ``"k2"`` or ``"k1"`` (see :mod:`grpo_engine.losses.kl`).
+        kl_estimator: ``"k3"``, ``"k2"`` or ``"k1"`` (see :mod:`grpo_engine.ops.kl`).
         level: ``"sequence"`` (GSPO) or ``"token"`` (GSPO-token; same value and gradient here).
 
     Example:

@@ -1,8 +1,8 @@
 """Applies a MemoryPlan to a transformers causal LM: dtype, 4-bit base, LoRA, checkpointing, optimizer.
 
-Dropout of the base model is switched off (as TRL does for GRPO): the log-probs of a completion
-must not depend on a dropout draw, otherwise the importance ratio of an on-policy update would not
-be exactly 1. LoRA's own ``dropout`` is the user's choice (0 by default, which keeps it exact).
+Dropout of the base model is switched off: the log-probs of a completion must not depend on a dropout
+draw, otherwise the importance ratio of an on-policy update would not be exactly 1. LoRA's own
+``dropout`` is the user's choice (0 by default, which keeps it exact).
 """
 
 from __future__ import annotations

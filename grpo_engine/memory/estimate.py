@@ -1,8 +1,7 @@
-"""Predicts the peak accelerator memory of a GRPO run before it starts, and picks a plan that fits.
+"""Predicts the peak accelerator memory of a GRPO run before it starts (``budget.py`` picks a plan with it).
 
 The model is analytic: every term is a count of tensor elements times their bytes, from the model's
-shape (its transformers config), the ``MemoryPlan`` and the workload. A step has three phases, and
-the peak is the largest of them:
+shape (its transformers config), the ``MemoryPlan`` and the workload. The peak is the largest of:
 
     resident  = weights + adapters + optimizer state (+ a frozen reference copy under full FT + KL)
     sampling  = resident + KV cache of B*G rows x (P + C) tokens + per-step logits [B*G, V] fp32
@@ -11,25 +10,9 @@ the peak is the largest of them:
                 + one tile of lm_head logits (chunk x tile fp32, x3: logits, exp, gradient)
     optimizer = resident + gradients + the update's temporaries
 
-The activation coefficients (bytes saved per token per layer) were fitted to the tensors autograd
-saves, measured with saved-tensor hooks on seven Llama shapes (``tests/test_memory_estimate.py``
-checks them again on other Llama and Qwen2 shapes, within 15%). h = hidden, f = intermediate,
-k = kv_heads * head_dim:
-
-    float32, frozen base (LoRA):    30 h + 18 f + 11 k
-    float32, every weight trained:  40 h + 18 f + 11 k
-    bf16/fp16, frozen base (LoRA):  40 h + 11 f +  6 k   (peft runs the fp32 adapters on fp32 copies
-    bf16/fp16, every weight:        25 h +  9 f +  6 k    of their inputs; norms save fp32 inputs)
-    gradient checkpointing:         the layer input (h elements) per layer, + ~6 h bytes per token
-    mixed precision (fp32 weights, bf16 autocast), every weight:  39.5 h + 8 f + 6.5 k
-    mixed precision, frozen base (LoRA):                            35 h + 8 f +  14 k
-                                    (+ autocast's bf16 copy of every matmul weight and of the
-                                     lm_head, held while a forward runs: sampling and training)
-
-What it predicts is tensor memory (``torch.cuda.max_memory_allocated``), not what the driver
-reports: add the CUDA context (~0.3-0.5 GiB) and allocator slack for ``nvidia-smi``.
-``grpo_engine.memory.budget.plan_for_budget`` keeps a safety margin (15% by default) for what the
-model leaves out.
+Saved activations per token per layer are a·h + b·f + c·k bytes (hidden, intermediate, kv_heads *
+head_dim), fitted per dtype and setup to saved-tensor-hook measurements on seven Llama shapes (docs/memory.md;
+tests/test_memory_estimate.py: other shapes within 15%). Tensor memory is predicted, not the driver's.
 """
 
 from __future__ import annotations

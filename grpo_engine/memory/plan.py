@@ -1,38 +1,18 @@
 """MemoryPlan: how the model is held and trained, applied once before the loop starts.
 
-The plan is a frozen record; ``grpo_engine.memory.apply`` turns it into a prepared model and an
-optimizer. Nothing in the step loop branches on it.
-
-- ``lora``: train LoRA adapters (peft) instead of every weight. The reference policy for the KL
-  term is then the same model with its adapters disabled, so no second copy is ever built.
-- ``gradient_checkpointing``: recompute each layer's activations in the backward pass
-  (about +1 forward of compute for far less activation memory).
-- ``quantization``: ``"nf4"`` holds the frozen base in 4-bit NF4 (bitsandbytes, double quantisation,
-  compute in ``dtype``) under LoRA adapters whose master weights stay float32: QLoRA.
-- ``optimizer``: ``adamw`` (torch), ``adamw8bit`` (bitsandbytes 8-bit AdamW states), or their paged
-  variants ``paged_adamw`` / ``paged_adamw8bit`` (states in unified memory that the driver pages to
-  the CPU under pressure; on a CPU-only machine bitsandbytes falls back to non-paged, with a warning).
-- ``offload_activations``: keep the tensors saved for the backward pass in CPU memory (pinned) instead
-  of on the accelerator; with ``gradient_checkpointing`` only the layer inputs are saved, so this moves
-  the remaining activation memory off the card at the price of two copies per saved tensor.
-- ``share_prompt``: the G completions of a group share their prompt, so its forward (and backward)
-  runs once per group: in sampling the prompt's KV cache is computed once and repeated, and in the
-  training pass each distinct prompt of a micro-batch runs once and its KV cache is gathered to
-  the rows (not under gradient checkpointing, where transformers keeps no cache while training).
-- ``merge_lora_for_sampling``: sample with each LoRA delta merged into a temporary copy of its base
-  weight (one matmul per layer instead of three; float32 base weights, no quantization): faster
-  decoding for one copy of the adapted weights while sampling.
-- ``decoding``: the sampler's decoding path (``grpo_engine.sampling.hf.resolve_decoding``): ``auto``
-  (CUDA graph on a GPU, the dynamic loop on the CPU), ``dynamic``, ``static``, ``compiled``, ``cuda_graph``.
-- ``micro_batch_size``: completions per forward/backward; the step's gradient is accumulated over
-  ``ceil(completions_per_step / micro_batch_size)`` micro-batches and equals the one-batch gradient.
-- ``dtype``: the dtype of the frozen base weights (LoRA adapters stay float32).
-- ``compute_dtype``: mixed precision: with ``dtype="float32"`` and ``compute_dtype="bfloat16"`` the
-  weights (and their gradients and AdamW states) stay float32 and every forward pass (sampling,
-  log-probs, training) runs under ``torch.autocast`` in bfloat16, so small full-fine-tuning updates
-  are not rounded away in a bfloat16 weight.
-- ``logprob_chunk_size``: tokens per chunk of the lm_head + log-softmax pass, so the full
-  [N, T, V] logits never exist at once.
+A frozen record; ``grpo_engine.memory.apply`` turns it into a prepared model and an optimizer, and
+nothing in the step loop branches on it. The fields (docs/memory.md: what each saves and costs):
+``lora`` (peft adapters; the reference policy is then the model with its adapters disabled, no copy),
+``quantization="nf4"`` (QLoRA: a 4-bit NF4 base, double quantisation, compute in ``dtype``, fp32
+adapters), ``gradient_checkpointing``, ``offload_activations`` (saved tensors in pinned CPU memory),
+``optimizer`` (``adamw``, bitsandbytes ``adamw8bit``, or ``paged_adamw`` / ``paged_adamw8bit`` in unified
+memory), ``share_prompt`` (a group's prompt runs once: in sampling, and in training unless checkpointed),
+``merge_lora_for_sampling`` (a temporary merged copy of the adapted float32 weights while sampling),
+``decoding`` (``auto``: ``cuda_graph`` on a GPU, ``dynamic`` on the CPU; or ``dynamic``, ``static``,
+``compiled``, ``cuda_graph``), ``micro_batch_size`` (completions per forward/backward; the accumulated
+gradient equals the one-batch gradient), ``dtype`` (base weights; adapters stay float32),
+``compute_dtype`` (mixed precision: float32 weights, gradients and AdamW states, forward passes under
+``torch.autocast``), ``logprob_chunk_size`` / ``logprob_vocab_tile`` (at most chunk x tile logits).
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
-"""Weighted sum of rewards: ``total[b, g] = sum_k weight_k * s_k[b, g]``.
+"""Weighted sum of rewards, ``total[b, g] = Σ_k weight_k · s_k[b, g]``, and the step's reward transforms.
 
-Each reward is computed once on the N = B * G completions of a :class:`RolloutBatch`: through
-``reward.score_rollout(batch) -> [N]`` when the reward defines it (rewards that need the batch's
-tokens, such as :class:`~grpo_engine.rewards.OverlongPenalty`, which scores token lengths), else
-through ``reward(batch.row_prompts, batch.texts) -> [N]``. Its unweighted, unnormalised [B, G]
-scores always go into ``RewardOutput.breakdown`` under the reward's ``name`` for logging.
+Each reward scores the N = B * G completions of a :class:`RolloutBatch` once: through
+``reward.score_rollout(batch) -> [N]`` when it defines it (rewards on tokens, such as
+:class:`~grpo_engine.rewards.OverlongPenalty`), else ``reward(batch.row_prompts, batch.texts) -> [N]``.
+Its raw [B, G] scores go into ``RewardOutput.breakdown`` under its ``name``. ``normalize`` sets s_k:
 
-``normalize`` says what s_k is:
+* ``"after_sum"`` (default): the raw score; the advantage function alone normalises the total.
+* ``"each"``: the score group-z-scored on its own, (x - mean_g x) / (std_g x + 1e-6), unbiased std over
+  the G completions, exactly 0 in a group where that reward is equal (GDPO, arXiv 2601.05242). Pair it
+  with ``ReinforcePlusPlusBaseline()`` (whitens the sum over the batch) or ``MeanBaseline()`` (keeps it);
+  the default ``GroupNormalized()`` would z-score the sum once more per group.
 
-* ``"after_sum"`` (default): s_k is the raw score, so ``total`` is the weighted sum of raw
-  scores and the advantage function alone normalises it (GRPO as usually run with several
-  rewards; TRL ``multi_objective_aggregation="sum_then_normalize"``).
-* ``"each"``: s_k is the score group-z-scored on its own, with the rule of
-  ``GroupNormalized(std_scope="group")``: s_k[b, g] = (x[b, g] - mean_g x[b]) / (std_g x[b] + 1e-6),
-  unbiased std over the G completions of prompt b, and exactly 0 in a group where that reward is
-  the same for all G completions. A reward with a large scale or a large spread then cannot
-  drown the others, and two completions that differ in different rewards keep different totals
-  (the collapse GDPO, Liu et al. 2026, arXiv 2601.05242, describes). GDPO and TRL
-  ``"normalize_then_sum"`` z-score each reward the same way (TRL with eps 1e-4), then whiten the
-  sum over the batch ((t - mean) / (std + 1e-4)):
-  pair ``normalize="each"`` with ``ReinforcePlusPlusBaseline()`` for that (its group-mean step
-  is a no-op here, since every s_k already has group mean 0), or with ``MeanBaseline()`` to keep
-  the sum as it is. The default ``GroupNormalized()`` would z-score the sum once more per group.
-
-A reward with weight 0 is logged but does not train. A ``RewardTransform`` in the list (e.g.
-:class:`~grpo_engine.rewards.KLRewardPenalty`) is kept apart: :meth:`WeightedSum.transform` applies
-it once the step's log-probs are known, and :attr:`WeightedSum.requires` says which it needs.
+A reward with weight 0 is logged but does not train. A ``RewardTransform`` in the list (``KLRewardPenalty``)
+is kept apart: :meth:`WeightedSum.transform` applies it once the log-probs :attr:`requires` names are known.
 """
 
 from __future__ import annotations

@@ -1,21 +1,18 @@
 """Length rewards, scored on the sampled token count rather than on the text.
 
-:class:`OverlongPenalty` is the soft overlong punishment of DAPO (Yu et al. 2025, arXiv
-2503.14476). With L the completion length in tokens, L_max = ``max_completion_tokens`` (the hard
-generation limit) and L_c = ``cache_tokens`` (the soft zone below it):
+:class:`OverlongPenalty` is the soft overlong punishment of DAPO (arXiv 2503.14476). With L the
+completion length in tokens, L_max = ``max_completion_tokens`` (the hard generation limit) and
+L_c = ``cache_tokens`` (the soft zone below it):
 
     R_len(L) = 0                          if L <= L_max - L_c
     R_len(L) = ((L_max - L_c) - L) / L_c  if L_max - L_c < L <= L_max
     R_len(L) = -1                         if L > L_max
 
-so the penalty falls linearly from 0 to -1 across the last L_c tokens. A completion cut off by
-a sampler whose limit is L_max has L = L_max and gets exactly -1. DAPO adds it to the accuracy
-reward with weight 1, with L_max = 20,480 and L_c = 4,096 (16,384 expected tokens plus the cache).
-
-L is ``RolloutBatch.completion_lengths``: the sampled tokens up to and including the first EOS
-(verl's DAPO reward counts the EOS too). Text carries no token count, so the reward defines
-``score_rollout(batch)``, which :class:`~grpo_engine.rewards.WeightedSum` calls instead of
-``__call__(prompts, completions)``; calling it on texts raises a ``TypeError`` that says so.
+so it falls linearly from 0 to -1 over the last L_c tokens, and a completion cut at L_max gets -1
+(DAPO: weight 1, L_max = 20,480, L_c = 4,096). L is ``RolloutBatch.completion_lengths``, the sampled
+tokens up to and including the first EOS. Text carries no token count, so the reward defines
+``score_rollout(batch)``, which ``WeightedSum`` calls instead of ``__call__(prompts, completions)``;
+calling it on texts raises a ``TypeError`` that says so.
 """
 
 from __future__ import annotations

@@ -1,21 +1,18 @@
 """The dynamic decoding loop of HFSampler and greedy evaluation, and the token draw both decoding paths share.
 
-- One forward per new token, over the rows still running: a row that emits an EOS token leaves
-  the batch (its KV-cache rows are dropped), so a finished completion costs nothing more. With
-  ``generate`` every row runs until the longest one ends. (The fixed-shape path for GPUs, a static
-  KV cache and a CUDA graph, is :mod:`grpo_engine.sampling.static`.)
-- The prompt's KV cache is filled once per distinct prompt and repeated across its group
-  (``repeats``); the last prompt token is the first token of the loop.
-- :class:`TokenDraw` turns one step's logits into tokens: temperature, then top-k / top-p, then
-  :func:`categorical`, an exact draw from the categorical distribution by inverse CDF. One uniform
-  picks a block of 256 token ids by its probability mass, a second picks the id inside the block.
-  Every sum is relative to its own block, so a token's probability keeps its float32 precision
-  however small it is, and an id of probability 0 is never drawn. It needs two uniforms per row
-  instead of the V exponentials of ``torch.multinomial`` (33 ms per 32 x 49,152 draw on a 2-core
-  CPU, against 1 ms), and it has fixed shapes and no host synchronisation, so it can run inside a
-  CUDA graph.
-- The uniforms of a step are drawn for every row of the batch, running or not, so the dynamic loop
-  and the static path consume the random stream identically and draw the same tokens.
+- One forward per new token, over the rows still running: a row that emits an EOS token leaves the
+  batch (its KV-cache rows are dropped), so a finished completion costs nothing more. (The fixed-shape
+  path for GPUs, a static KV cache and a CUDA graph, is :mod:`grpo_engine.sampling.static`.)
+- The prompt's KV cache is filled once per distinct prompt and repeated across its group (``repeats``);
+  the last prompt token is the first token of the loop.
+- :class:`TokenDraw`: temperature, then top-k / top-p, then :func:`categorical`, an exact inverse-CDF
+  draw: one uniform picks a block of 256 token ids by its probability mass, a second the id inside it.
+  Every sum is relative to its block, so a token's probability keeps its float32 precision however
+  small, and an id of probability 0 is never drawn. Two uniforms per row instead of the V exponentials
+  of ``torch.multinomial`` (1 ms against 33 ms per 32 x 49,152 draw on 2 CPU cores), fixed shapes and no
+  host synchronisation, so it can run inside a CUDA graph.
+- The uniforms of a step are drawn for every row, running or not, so the dynamic loop and the static
+  path consume the random stream identically and draw the same tokens.
 """
 
 from __future__ import annotations

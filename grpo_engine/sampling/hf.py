@@ -1,24 +1,18 @@
 """HFSampler: samples G completions per prompt from the live policy.
 
-- Prompts are rendered by a template, tokenised once, cut from the left to ``max_prompt_tokens``
-  and left-padded; each prompt row is repeated G times.
-- The returned ids are exactly the sampled ids (never decoded and re-tokenised). A completion
-  ends at its first EOS token (kept, and counted in the loss) or is truncated at
+- Prompts are rendered by a template, tokenised once, cut from the left to ``max_prompt_tokens`` and
+  left-padded. The returned ids are exactly the sampled ids (never decoded and re-tokenised); a
+  completion ends at its first EOS token (kept, and counted in the loss) or is truncated at
   ``max_completion_tokens``.
-- A transformers causal LM runs one of our two decoding paths, and tokens are drawn exactly by a
-  two-level inverse CDF. ``decoding="dynamic"`` (:mod:`grpo_engine.sampling.decode`): a row leaves
-  the batch at its EOS token. ``"static"``, ``"compiled"``, ``"cuda_graph"``
-  (:mod:`grpo_engine.sampling.static`): a static KV cache and fixed-shape steps, run as Python,
-  through ``torch.compile``, or replayed as a CUDA graph. ``"auto"`` (the default) takes the path
-  measured faster on the device: ``cuda_graph`` on a GPU, ``dynamic`` on the CPU
-  (docs/benchmarks.md). Any other model is sampled with its own ``generate()``.
-- The prompt is encoded once per group (``share_prompt``): one forward over the B distinct prompts
-  fills a KV cache that is repeated G times, and decoding continues from it, so the prompt
-  prefill costs B rows instead of B*G.
-- Sampling applies the temperature first, then top-k / top-p. The reported
-  ``sampler_logprobs`` are the log-probs of the temperature-scaled distribution before any
-  top-k / top-p truncation, the same quantity the trainer computes (they match exactly when
-  top-k and top-p are off).
+- A transformers causal LM runs one of our two decoding paths, with an exact two-level inverse-CDF
+  draw: ``decoding="dynamic"`` (:mod:`grpo_engine.sampling.decode`: a row leaves the batch at its EOS),
+  or ``"static"``, ``"compiled"``, ``"cuda_graph"`` (:mod:`grpo_engine.sampling.static`: a static KV cache
+  and fixed-shape steps, run as Python, through ``torch.compile`` or replayed as a CUDA graph). ``"auto"``
+  takes the path measured faster on the device: ``cuda_graph`` on a GPU, ``dynamic`` on the CPU. Any
+  other model is sampled with its own ``generate()``.
+- ``share_prompt``: one forward over the B distinct prompts fills a KV cache that is repeated G times.
+- Temperature first, then top-k / top-p. ``sampler_logprobs`` are the log-probs of the temperature-scaled
+  distribution before top-k / top-p, the trainer's quantity (equal to it when top-k and top-p are off).
 """
 
 from __future__ import annotations

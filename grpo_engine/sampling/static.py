@@ -1,26 +1,18 @@
-"""The fixed-shape decoding path: a static KV cache, one-token steps that never change shape, and on
-a GPU the step captured once as a CUDA graph and replayed.
+"""The fixed-shape decoding path: a static KV cache, one-token steps of fixed shape, on a GPU a CUDA graph.
 
-- The KV cache (:class:`StaticKVCache`) is preallocated for the whole batch, B*G rows x (P + C)
-  slots per layer (the prompt width P, the completion budget C), and written in place at a slot
-  index held in a device tensor; a row's keys are masked by a 4D attention mask kept in a buffer,
-  so transformers builds no mask and no shape depends on the step.
-- The prompt is prefilled once per distinct prompt (B rows) and the cache repeated G times.
-- A step (:meth:`StaticDecoder.step`) reads and writes only preallocated buffers: it feeds the
-  previous token, draws the next with :class:`~grpo_engine.sampling.decode.TokenDraw` (inverse CDF,
-  fixed shapes), writes it and its log-prob at column t, and keeps each row's EOS flag on the
-  device. A finished row stays in the batch: it keeps computing, and its tokens are replaced by
-  padding and its log-probs by 0. The host looks at the flags every ``check_every`` tokens only.
-- Each decoding step attends with :func:`grouped_attention`: the query heads that share a KV head
-  are one matrix product against that head's keys, so the cache is read once per step and never
-  expanded to every query head (transformers' sdpa path copies it to all heads when there is a mask).
-- ``mode``: ``"eager"`` runs the step as Python (the proof on the CPU: the same tokens as the
-  dynamic loop), ``"compiled"`` runs it through ``torch.compile`` (the uniforms are drawn outside, so
-  the random stream is the eager one), ``"cuda_graph"`` captures uniforms + step once per call as a
-  ``torch.cuda.CUDAGraph`` and replays it: one launch per token instead of hundreds.
-
-Needs a Llama / Mistral / Qwen2 / Qwen3-family decoder with full attention in ``sdpa`` or ``eager``
-mode (:func:`supports_static`); the sampler falls back to the dynamic loop otherwise.
+- :class:`StaticKVCache`: B*G rows x (P + C) slots per layer, preallocated and written in place at a slot
+  index held in a device tensor; keys are masked by a 4D attention mask kept in a buffer, so no shape
+  depends on the step. The prompt is prefilled once per distinct prompt and the cache repeated G times.
+- :meth:`StaticDecoder.step` reads and writes only preallocated buffers: it feeds the previous token,
+  draws the next with ``TokenDraw``, writes it and its log-prob at column t, and keeps the EOS flags on
+  the device (the host reads them every ``check_every`` tokens); a finished row keeps computing, with
+  padding for its tokens and 0 for its log-probs.
+- :func:`grouped_attention`: the query heads that share a KV head are one matrix product against that
+  head's keys, so the cache is read once per step and never expanded to every query head.
+- ``mode``: ``"eager"`` (Python; the same tokens as the dynamic loop), ``"compiled"`` (``torch.compile``,
+  uniforms drawn outside), ``"cuda_graph"`` (uniforms + step captured once per call, replayed per token).
+Needs a Llama / Mistral / Qwen2 / Qwen3-family decoder with full attention in ``sdpa`` or ``eager`` mode
+(:func:`supports_static`); the sampler falls back to the dynamic loop otherwise.
 """
 
 from __future__ import annotations
