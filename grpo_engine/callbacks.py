@@ -36,6 +36,7 @@ class TrainerState:
         train_seconds: seconds spent in steps so far (the clock of ``max_train_seconds``).
         temperature: the sampling temperature in force.
         output_dir: the run folder.
+        skipped_steps: steps skipped for non-finite rewards, advantages, loss or gradients.
     """
 
     step: int = 0
@@ -43,6 +44,7 @@ class TrainerState:
     train_seconds: float = 0.0
     temperature: float = 1.0
     output_dir: str = ""
+    skipped_steps: int = 0
 
 
 @dataclass

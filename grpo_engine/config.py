@@ -119,6 +119,10 @@ class GRPOConfig(FrozenModel):
     adam_betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW (beta1, beta2).")
     adam_eps: float = Field(1e-8, description="AdamW epsilon.")
     max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this (null = off).")
+    max_nonfinite_steps: int = Field(
+        3, description="A step whose rewards, advantages, loss or gradient norm is not finite is skipped (weights "
+        "unchanged, counted in skipped_steps); the run stops after this many in a row."
+    )
 
     # -- bookkeeping -------------------------------------------------------------------------
     seed: int = Field(0, description="Seeds prompt order, sampling and initialisation.")
@@ -141,7 +145,7 @@ GRPOConfig.field_rules = {
     **{
         name: (lambda v: v >= 1, "must be >= 1", f"set {name} to a positive integer")
         for name in ("prompts_per_step", "updates_per_batch", "max_prompt_tokens", "max_completion_tokens",
-                     "max_steps", "log_every_steps")
+                     "max_steps", "log_every_steps", "max_nonfinite_steps")
     },
     "group_size": (lambda v: v >= 2, "makes every advantage 0 (a group needs at least two completions to "
                    "compare)", "use group_size >= 2"),

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_engine import guards
 from grpo_engine.advantages import GroupNormalized
 from grpo_engine.callbacks import Callback, TrainerControl, TrainerState
 from grpo_engine.checkpoint import save_pretrained_atomic
@@ -143,6 +144,8 @@ class GRPOTrainer:
         self.history: list[dict[str, float]] = []
         self._metric_keys: tuple[str, ...] = ("loss",)
         self._warned_zero_std = False
+        self._skipped_in_a_row = 0
+        self._bad_logprob_rows: list[tuple[Tensor, Tensor]] = []
         self._event("on_init")
 
     @property
@@ -212,17 +215,29 @@ class GRPOTrainer:
             old, ref = self._no_grad_logprobs(batch)
         rewards = self.rewards.transform(rewards, batch, old_logprobs=old, ref_logprobs=ref)
         old = old if cfg.updates_per_batch > 1 or self.loss.requires.old_logprobs else None
-        # 4. advantages
-        advantages = self.advantage(rewards.total, uncertainty=uncertainty).reshape(-1)  # [N]
+        # 4. advantages (a step whose rewards or advantages are not finite is skipped, weights untouched)
+        advantages = self.advantage(rewards.total, uncertainty=uncertainty)
+        if tuple(advantages.shape) != tuple(rewards.total.shape):
+            raise ValueError(f"{type(self.advantage).__name__} returned advantages of shape {tuple(advantages.shape)}; "
+                             f"an AdvantageFn maps rewards [B, G]={tuple(rewards.total.shape)} to the same shape")
+        problem = guards.nonfinite_advantages(rewards, advantages)
+        advantages = advantages.reshape(-1)  # [N]
         # 5. micro-batched loss and backward, 6. optimizer step (mu times on this batch)
+        loss_metrics: dict[str, float] = {}
         with timer("train"):
-            loss_metrics = self._updates(batch, advantages, old, ref)
+            try:
+                loss_metrics = self._updates(batch, advantages, old, ref) if problem is None else {}
+            except guards.NonFiniteStep as error:
+                problem = str(error)
+        self._count_skipped(problem)
         self.state.step += 1
         seconds = timer.seconds()
         self.state.train_seconds += seconds["time/step_s"]
-        self.scheduler.step()  # once per step, after the clock, which a time budget's decay reads
+        with warnings.catch_warnings():  # a skipped step calls no optimizer.step(): the schedule still advances
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            self.scheduler.step()  # once per step, after the clock, which a time budget's decay reads
         metrics = {**self._batch_metrics(batch, rewards), **batch.metrics, **loss_metrics, **seconds,
-                   "temperature": temperature, "lr": lr}
+                   "temperature": temperature, "lr": lr, "skipped_steps": float(self.state.skipped_steps)}
         if uncertainty is not None:
             metrics["entropy/semantic_mean"] = uncertainty.float().mean().item()
         metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
@@ -244,13 +259,33 @@ class GRPOTrainer:
         return {f"eval/{name}": value for name, value in report.metrics.items()}
 
     def save(self, path: str | Path) -> Path:
-        """Saves the policy (the adapter under LoRA), the tokenizer and the run's config files."""
+        """Saves the policy (the adapter under LoRA), the tokenizer and the run's config files; refuses
+        non-finite weights (nothing non-finite is ever written)."""
+        bad = [name for name, p in self.model.named_parameters() if p.requires_grad and not p.isfinite().all()]
+        if bad:
+            raise ValueError(f"refusing to save {path}: {len(bad)} trained tensors hold NaN or inf (first: {bad[0]}); "
+                             "the last complete checkpoint stays as it was")
         extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml()}
         saved = save_pretrained_atomic(self.model, self.tokenizer, path, extras)
         self._event("on_save", path=saved)
         return saved
 
     # -- the stages' helpers -------------------------------------------------------------------
+
+    def _count_skipped(self, problem: str | None) -> None:
+        """Counts a skipped step, explains it, and stops the run after ``max_nonfinite_steps`` in a row."""
+        if problem is None:
+            self._skipped_in_a_row = 0
+            return
+        self.state.skipped_steps += 1
+        self._skipped_in_a_row += 1
+        warnings.warn(f"step {self.step_count + 1} skipped, weights unchanged: {problem}", stacklevel=3)
+        if self._skipped_in_a_row >= self.config.max_nonfinite_steps:
+            raise guards.NonFiniteError(
+                f"{self._skipped_in_a_row} steps in a row were skipped for non-finite values (the last: {problem}); "
+                f"the weights are those after step {self.step_count - self._skipped_in_a_row + 1} and nothing "
+                "non-finite was saved: fix the reward or the settings named above, then resume from the last "
+                "checkpoint")
 
     def _event(self, name: str, **kwargs: Any) -> None:
         for callback in self.callbacks:
@@ -281,6 +316,10 @@ class GRPOTrainer:
             metrics = self.compute_gradients(batch, advantages, old_logprobs=old, ref_logprobs=ref,
                                              record_logprobs=record)
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), max_norm))
+            problem = guards.nonfinite_update(metrics, self._bad_logprob_rows)
+            if problem is not None:  # the optimizer never sees a non-finite gradient
+                self.optimizer.zero_grad(set_to_none=True)
+                raise guards.NonFiniteStep(problem)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)  # no gradient memory held while the next batch samples
             old = record if record is not None else old
@@ -310,6 +349,7 @@ class GRPOTrainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self._bad_logprob_rows: list[tuple[Tensor, Tensor]] = []  # (rows, non-finite flags): read only on trouble
         num_tokens, num_sequences = (int(c) for c in self.loss.counts(batch.completion_mask, batch.is_truncated))
         pass_entropy = self.loss.requires.entropy
         with_entropy = pass_entropy or self.config.log_token_entropy
@@ -332,6 +372,7 @@ class GRPOTrainer:
                     logprobs, entropy = out if with_entropy else (out, None)
                     if record_logprobs is not None:
                         record_logprobs[idx, :cid.shape[1]] = logprobs.detach().float().cpu()
+                    self._bad_logprob_rows.append((idx, ~torch.where(cmask, logprobs.detach(), 0.0).isfinite().all(1)))
                     if entropy is not None:
                         sums["entropy/token_mean"] += token_entropy_mean(entropy.detach(), cmask, trained_tokens)
                     width, dev = cid.shape[1], logprobs.device

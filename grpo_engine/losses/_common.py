@@ -15,8 +15,21 @@ from torch import Tensor
 from grpo_engine.ops.kl import KL_ESTIMATORS
 from grpo_engine.types import MicroBatch
 
-__all__ = ["compute_dtype", "masked", "policy_inputs", "ratio_inputs", "step_counts", "nonnegative",
-           "check_kl_estimator", "check_call"]
+__all__ = ["compute_dtype", "masked", "policy_inputs", "ratio_inputs", "safe_exp", "step_counts", "nonnegative",
+           "check_kl_estimator", "check_call", "MAX_LOG_RATIO"]
+
+MAX_LOG_RATIO = 20.0  # |log ratio| is clamped here before exp: e^20 ~ 4.9e8, no float32 overflow (e^88.7 is inf)
+
+
+def safe_exp(log_ratio: Tensor) -> Tensor:
+    """exp of ``log_ratio`` clamped to ±``MAX_LOG_RATIO``: finite in float32, and the clamp's zero
+    derivative beyond it keeps an overflowing branch from multiplying 0 by inf (NaN) in the backward.
+
+    Example:
+        >>> safe_exp(torch.tensor([0.0, 90.0])).isfinite().tolist()
+        [True, True]
+    """
+    return torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
 def compute_dtype(logprobs: Tensor) -> torch.dtype:
@@ -45,7 +58,7 @@ def policy_inputs(logprobs: Tensor, batch: MicroBatch, mask: Tensor) -> tuple[Te
 def ratio_inputs(logprobs: Tensor, batch: MicroBatch, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(logp, ratio, adv)``: as :func:`policy_inputs` with the token ratio exp(logp - old)."""
     logp, old, adv = policy_inputs(logprobs, batch, mask)
-    return logp, torch.exp(logp - old), adv
+    return logp, safe_exp(logp - old), adv
 
 
 def step_counts(completion_mask: Tensor, keep_rows: Tensor | None = None) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """The PPO-style clipped token surrogate of GRPO, DAPO and Dr. GRPO, with composable terms.
 
-Per valid token t of completion i, with ratio_it = exp(logprobs_it - old_it) (old: the detached
-current log-probs when ``batch.old_logprobs`` is None, so the ratio is exactly 1 on-policy):
+Per valid token t of completion i, with ratio_it = exp(clamp(logprobs_it - old_it, ±20)) (old: the
+detached current log-probs when ``batch.old_logprobs`` is None, so the ratio is exactly 1 on-policy):
 
     policy_it = -min(min(ratio_it, δ) · A_i, clip(ratio_it, 1 - ε_low, 1 + ε_high) · A_i)
     loss      = aggregate(policy · weights + penalties)           (losses/aggregation.py)
@@ -161,7 +161,7 @@ class ClippedSurrogate:
         for term in self._filters:
             mask = term.filter(mask, batch)
         logp, old, adv = common.policy_inputs(logprobs, batch, mask)
-        ratio = torch.exp(logp - old)
+        ratio = common.safe_exp(logp - old)  # the log-ratio clamped at ±20: no inf, no NaN gradient
         clipped_ratio = ratio.clamp(1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high)
         capped_ratio = ratio if self.delta is None else ratio.clamp(max=self.delta)
         unclipped_obj, clipped_obj = capped_ratio * adv, clipped_ratio * adv

@@ -109,9 +109,9 @@ class GSPO:
         has_tokens = mask.any(dim=1)  # [n]
         log_seq_ratio = sequence_mean(logp - old, mask)  # [n], 0 for empty rows
         if self.level == "sequence":
-            ratio = torch.exp(log_seq_ratio)[:, None]  # [n, 1]
+            ratio = common.safe_exp(log_seq_ratio)[:, None]  # [n, 1]
         else:
-            ratio = torch.exp(logp - logp.detach() + log_seq_ratio.detach()[:, None])  # [n, C]
+            ratio = common.safe_exp(logp - logp.detach() + log_seq_ratio.detach()[:, None])  # [n, C]
         clipped_ratio = ratio.clamp(1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high)
         unclipped_obj, clipped_obj = ratio * adv, clipped_ratio * adv
         surrogate = -torch.minimum(unclipped_obj, clipped_obj)

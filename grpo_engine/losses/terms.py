@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_engine.losses._common import masked
+from grpo_engine.losses._common import masked, safe_exp
 from grpo_engine.losses.aggregation import token_share
 from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator
 from grpo_engine.ops.tokens import high_entropy_mask
@@ -75,7 +75,7 @@ class TruncatedIS:
             raise ValueError(f"tis_cap={self.cap} needs batch.sampler_logprobs [n, C], which is None; use a "
                              "sampler that reports log-probs (HFSampler does) or set tis_cap=None")
         sampler = masked(batch.sampler_logprobs.detach(), mask, logp.dtype)
-        weight = torch.exp(old - sampler).clamp(max=self.cap)
+        weight = safe_exp(old - sampler).clamp(max=self.cap)
         return policy * weight, clipped, {"tis_weight": token_share(weight, mask, num_valid_tokens)}
 
 

@@ -3,7 +3,8 @@
 With x sampled from π_θ and log ρ = ``ref_logprobs - logprobs``: k1 = -log ρ (unbiased, can be < 0,
 expected gradient 0); k2 = ½ (log ρ)² (biased low, its gradient is the true reverse-KL gradient
 on-policy); k3 = ρ - 1 - log ρ (unbiased, >= 0, GRPO's; its expected gradient is the forward KL's).
-Values are float32, or the input dtype when wider; no clamping; callers mask padded positions.
+Values are float32, or the input dtype when wider; k3's exponent is clamped at 20 (no overflow);
+callers mask padded positions.
 docs/algorithms.md derives the gradients and compares with TRL and verl.
 """
 
@@ -83,7 +84,7 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
         tensor([0.])
     """
     log_ratio = _log_ratio(logprobs, ref_logprobs)
-    return torch.expm1(log_ratio) - log_ratio
+    return torch.expm1(log_ratio.clamp(max=20.0)) - log_ratio  # e^20 at most: no float32 overflow
 
 
 KL_ESTIMATORS: Mapping[str, KLEstimator] = MappingProxyType({"k1": kl_k1, "k2": kl_k2, "k3": kl_k3})
