@@ -87,6 +87,13 @@ class Callback:
     def on_train_end(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl) -> None:
         """``train()`` ends."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this callback (a stateful one overrides this and the next)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output when a run resumes."""
+
 
 class HeldOutEval(Callback):
     """Greedy pass@1 on held-out prompts every ``every_steps`` steps (or when a callback sets

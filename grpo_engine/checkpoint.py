@@ -1,52 +1,343 @@
-"""Saving a trained policy without ever leaving a half-written folder.
+"""Checkpoints: durable saves and exact resume.
 
-The model (a peft adapter under LoRA, the full model otherwise), its tokenizer and the run's
-config files are written to a temporary sibling folder, which then replaces the target in one
-rename. A crash mid-save leaves the previous save untouched.
+- A save writes everything to a hidden temporary sibling folder, fsyncs every file and the folder,
+  then swaps it with the target in one atomic exchange (``renameat2(RENAME_EXCHANGE)`` on Linux; where
+  that is missing, the old folder is renamed aside first and put back at the next start if the new one
+  never arrived) and fsyncs the parent: a complete latest checkpoint exists at every moment.
+- :func:`clean_leftovers` (run before training starts) removes temporary folders and restores a
+  set-aside one whose replacement is missing.
+- A trainer checkpoint adds ``trainer_state.pt`` (optimizer, scheduler, RNG states of python, numpy,
+  torch CPU and CUDA, the prompt source's and every callback's state, step, clock, temperature,
+  skipped steps) and ``trainer_state.json`` (what the run is made of, for the resume check).
+- :func:`restore` loads all of it into a freshly built trainer; a changed setting is refused naming
+  each field (the safe ones may change when named in ``Resume.allow_changes``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
 import os
+import random
+import re
 import shutil
 import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["save_pretrained_atomic"]
+__all__ = ["save_pretrained_atomic", "clean_leftovers", "latest_checkpoint", "prune_checkpoints", "Resume",
+           "trainer_state", "restore", "SAFE_CHANGES"]
+
+STATE_FILE, SUMMARY_FILE = "trainer_state.pt", "trainer_state.json"
+# settings that may change on resume (when named): limits, bookkeeping, and what changes only speed or summation order
+SAFE_CHANGES = frozenset({
+    "config.max_steps", "config.max_train_seconds", "config.save_every_steps", "config.keep_last_checkpoints",
+    "config.log_every_steps", "config.progress_bar", "config.max_nonfinite_steps", "config.output_dir",
+    "config.reward_timeout_s", "memory.decoding", "memory.micro_batch_size", "memory.logprob_chunk_size",
+    "memory.logprob_vocab_tile",
+})
 
 
-def save_pretrained_atomic(model: nn.Module, tokenizer, path: str | Path,
-                           extra_files: dict[str, str] | None = None) -> Path:
-    """Saves ``model`` and ``tokenizer`` in the usual transformers / peft layout at ``path``.
+@dataclass(frozen=True)
+class Resume:
+    """Where to resume from, and which safe settings (``SAFE_CHANGES``) may differ from the saved run.
+
+    Example:
+        >>> Resume("latest", allow_changes={"config.max_steps"}).path
+        'latest'
+    """
+
+    path: str | Path = "latest"
+    allow_changes: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allow_changes", frozenset(self.allow_changes))
+        unsafe = sorted(self.allow_changes - SAFE_CHANGES)
+        if unsafe:
+            raise ValueError(f"allow_changes {unsafe} cannot change on resume (they change the run's math); the "
+                             f"safe ones are {sorted(SAFE_CHANGES)}")
+
+
+# -- durable folders ---------------------------------------------------------------------------------
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file below ``folder``, then every folder, deepest first."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            _fsync_path(Path(root) / name)
+        _fsync_path(Path(root))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two existing paths (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False where
+    the system or the file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _replace_folder(tmp: Path, path: Path) -> None:
+    """Puts the complete folder ``tmp`` at ``path``, never leaving ``path`` without a complete folder
+    (the exchange), or only for the two renames of the fallback, which :func:`clean_leftovers` repairs."""
+    if not path.exists():
+        os.replace(tmp, path)
+    elif _exchange(tmp, path):
+        shutil.rmtree(tmp)  # the old folder, now at the temporary name
+    else:
+        aside = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(path, aside)
+        os.replace(tmp, path)
+        shutil.rmtree(aside)
+    _fsync_path(path.parent)
+
+
+def save_pretrained_atomic(model: nn.Module, tokenizer: Any, path: str | Path,
+                           extra_files: dict[str, str] | None = None, objects: dict[str, Any] | None = None) -> Path:
+    """Saves ``model`` and ``tokenizer`` in the transformers / peft layout at ``path``, durably.
 
     Args:
         model: a transformers model or a peft model (then only the adapter is written).
-        tokenizer: saved beside it, so the folder loads on its own.
-        path: the target folder; an existing folder there is replaced only once the new one is complete.
-        extra_files: file name -> text, written beside the weights (for example the run's YAML config).
+        tokenizer: saved beside it, so the folder loads on its own (None: skipped).
+        path: the target folder; an existing one is replaced only by a complete new one.
+        extra_files: file name -> text, written beside the weights (e.g. the run's YAML config).
+        objects: file name -> object written with ``torch.save`` (e.g. the trainer state).
 
     Returns:
         The target path.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
+        for name, obj in (objects or {}).items():
+            torch.save(obj, tmp / name)
+        _fsync_tree(tmp)
+        _replace_folder(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def clean_leftovers(folder: str | Path) -> list[str]:
+    """Removes the temporary folders an interrupted save left in ``folder`` and puts back a set-aside
+    folder whose replacement never arrived; returns what it did, one line each."""
+    folder, done = Path(folder), []
+    if not folder.is_dir():
+        return done
+    for leftover in sorted(folder.glob(".old-*")):
+        name = re.sub(r"^\.old-(.*)-[0-9a-f]{8}$", r"\1", leftover.name)
+        if not (folder / name).exists():
+            os.replace(leftover, folder / name)
+            done.append(f"restored {name} (a save was interrupted between its two renames)")
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+            done.append(f"removed {leftover.name}")
+    for leftover in sorted(folder.glob(".tmp-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+        done.append(f"removed {leftover.name} (an interrupted save)")
+    return done
+
+
+def _checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete trainer checkpoints in ``output_dir`` (final included)."""
+    found = []
+    for folder in [*output_dir.glob("checkpoint-*"), output_dir / "final"]:
+        summary = folder / SUMMARY_FILE
+        if summary.is_file() and (folder / STATE_FILE).is_file():
+            found.append((int(json.loads(summary.read_text())["step"]), folder))
+    return sorted(found, key=lambda pair: (pair[0], pair[1].name == "final"))  # at equal steps, final last
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete trainer checkpoint of the highest step in ``output_dir``, or None."""
+    found = _checkpoints(Path(output_dir))
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(output_dir: str | Path, keep_last: int | None) -> list[Path]:
+    """Deletes all but the newest ``keep_last`` ``checkpoint-N`` folders (never ``final``); returns them."""
+    if keep_last is None:
+        return []
+    olds = [folder for _, folder in _checkpoints(Path(output_dir)) if folder.name != "final"][:-keep_last or None]
+    for folder in olds:
+        shutil.rmtree(folder, ignore_errors=True)
+    return olds
+
+
+# -- the trainer's state ------------------------------------------------------------------------------
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    states["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        states["numpy"] = numpy.random.get_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if states.get("numpy") is not None:
+        import numpy
+
+        numpy.random.set_state(states["numpy"])
+
+
+def _describe(component: Any) -> str:
+    """A stable description of a component: its repr, or its type where the repr holds an address."""
+    text = repr(component)
+    return type(component).__qualname__ if " at 0x" in text else text
+
+
+def run_description(trainer: Any) -> dict[str, Any]:
+    """What the run is made of (settings and components), compared on resume."""
+    settings = {f"config.{k}": v for k, v in trainer.config.model_dump(mode="json").items()}
+    settings.update({f"memory.{k}": v for k, v in trainer.memory.model_dump(mode="json").items()})
+    components = {name: _describe(getattr(trainer, name)) for name in ("loss", "advantage", "rewards", "entropy")}
+    components["sampler"] = type(trainer.sampler).__qualname__
+    components["callbacks"] = [type(c).__qualname__ for c in trainer.callbacks]
+    return {"settings": settings, "components": components}
+
+
+def trainer_state(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the state to ``torch.save``, the JSON summary) of a trainer between steps."""
+    state = {
+        "optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
+        "rng": _rng_states(), "prompts": trainer.prompts.state_dict(),
+        "callbacks": [c.state_dict() for c in trainer.callbacks], "skipped_in_a_row": trainer._skipped_in_a_row,
+        "warned_zero_std": trainer._warned_zero_std,
+    }
+    s = trainer.state
+    summary = {"format": 1, "step": s.step, "train_seconds": s.train_seconds, "temperature": s.temperature,
+               "skipped_steps": s.skipped_steps, **run_description(trainer)}
+    return state, summary
+
+
+def _differences(saved: dict[str, Any], now: dict[str, Any], allowed: Iterable[str]) -> list[str]:
+    problems, allowed = [], set(allowed)
+    for key in sorted(set(saved["settings"]) | set(now["settings"])):
+        old, new = saved["settings"].get(key), now["settings"].get(key)
+        if old == new or key in allowed:
+            continue
+        if key in SAFE_CHANGES:
+            problems.append(f"{key} was {old!r}, now {new!r}: allow it with Resume(path, allow_changes="
+                            f"{{'{key}'}}) (CLI: --allow-change {key})")
+        else:
+            problems.append(f"{key} was {old!r}, now {new!r}: it changes the run's math; resume with the saved "
+                            "value, or start a new run in another output_dir")
+    for key in sorted(set(saved["components"]) | set(now["components"])):
+        old, new = saved["components"].get(key), now["components"].get(key)
+        if old != new:
+            problems.append(f"{key} was {old}, now {new}: build the trainer with the saved run's {key}")
+    return problems
+
+
+def _load_weights(model: nn.Module, folder: Path) -> None:
+    """Loads the trained weights of a checkpoint: the adapter under peft, else every weight."""
+    from safetensors.torch import load_file
+
+    if (folder / "adapter_model.safetensors").is_file():
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"{folder}: adapter tensors {result.unexpected_keys[:4]} match no layer of this model")
+        return
+    shards = sorted(folder.glob("model*.safetensors"))
+    if not shards:
+        raise ValueError(f"{folder} holds no adapter_model.safetensors nor model*.safetensors; it is not a checkpoint "
+                         "of this trainer")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    loaded = {p.data_ptr() for name, p in model.named_parameters() if name in weights}
+    untied = [k for k in missing if dict(model.named_parameters()).get(k) is None
+              or dict(model.named_parameters())[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ValueError(f"{folder}: the weights do not fit this model (missing {untied[:4]}, unexpected "
+                         f"{unexpected[:4]}); resume with the model the run was started from")
+
+
+def restore(trainer: Any, resume: Resume) -> Path:
+    """Loads a checkpoint into a freshly built trainer: weights, optimizer, scheduler, RNG, prompt
+    source, callbacks, step, clock, temperature; truncates ``metrics.jsonl`` after the checkpoint's step.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        ValueError: a setting or component differs from the saved run's (each one named).
+    """
+    output_dir = Path(trainer.config.output_dir)
+    clean_leftovers(output_dir)
+    folder = latest_checkpoint(output_dir) if str(resume.path) == "latest" else Path(resume.path)
+    if folder is None or not (folder / STATE_FILE).is_file():
+        where = f"in {output_dir}" if folder is None else f"at {folder}"
+        raise FileNotFoundError(f"no trainer checkpoint {where} to resume from (a checkpoint folder holds "
+                                f"{STATE_FILE}); start without resume_from, or point it at a checkpoint-N folder")
+    summary = json.loads((folder / SUMMARY_FILE).read_text())
+    problems = _differences(summary, run_description(trainer), resume.allow_changes)
+    if problems:
+        raise ValueError(f"cannot resume from {folder}: " + "; ".join(problems))
+    state = torch.load(folder / STATE_FILE, weights_only=False)  # our own file, written by trainer_state()
+    if len(state["callbacks"]) != len(trainer.callbacks):
+        raise ValueError(f"{folder} was saved with {len(state['callbacks'])} callbacks, the trainer has "
+                         f"{len(trainer.callbacks)}; pass the same callbacks in the same order")
+    _load_weights(trainer.model, folder)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.prompts.load_state_dict(state["prompts"])
+    for callback, saved in zip(trainer.callbacks, state["callbacks"], strict=True):
+        callback.load_state_dict(saved)
+    trainer.state.step, trainer.state.train_seconds = summary["step"], summary["train_seconds"]
+    trainer.state.skipped_steps = summary["skipped_steps"]
+    trainer.set_temperature(summary["temperature"])
+    trainer._skipped_in_a_row, trainer._warned_zero_std = state["skipped_in_a_row"], state["warned_zero_std"]
+    _set_rng_states(state["rng"])
+    _truncate_metrics(output_dir / "metrics.jsonl", summary["step"])
+    return folder
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drops the lines of steps after ``step`` (logged after the checkpoint by the interrupted run)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text("".join(kept))
+    _fsync_path(tmp)
+    os.replace(tmp, path)
+    _fsync_path(path.parent)

@@ -129,6 +129,9 @@ class GRPOConfig(FrozenModel):
     output_dir: str = Field("runs/grpo", description="Metrics, checkpoints and the final model go here.")
     log_every_steps: int = Field(1, description="Write a metrics line every this many steps.")
     save_every_steps: int | None = Field(None, description="Save a checkpoint every this many steps (null = end only).")
+    keep_last_checkpoints: int | None = Field(
+        None, description="Keep only the newest this many checkpoint-N folders (null = keep all; final/ always stays)."
+    )
     progress_bar: bool = Field(True, description="Show a console progress bar.")
     log_token_entropy: bool = Field(
         True, description="Log the exact mean token entropy from the training pass (one extra softmax over "
@@ -160,6 +163,7 @@ GRPOConfig.field_rules = {
     "max_grad_norm": (lambda v: v is None or v > 0, "must be > 0", "use null to turn clipping off"),
     "max_train_seconds": (lambda v: v is None or v > 0, "must be > 0", "use null for no time limit"),
     "save_every_steps": (lambda v: v is None or v >= 1, "must be >= 1", "use null to save only at the end"),
+    "keep_last_checkpoints": (lambda v: v is None or v >= 1, "must be >= 1", "use null to keep every checkpoint"),
 }
 
 

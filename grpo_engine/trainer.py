@@ -14,6 +14,7 @@ logs them and calls the callbacks (grpo_engine.callbacks).
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from collections.abc import Sequence
@@ -23,10 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo_engine import guards
+from grpo_engine import checkpoint, guards
 from grpo_engine.advantages import GroupNormalized
 from grpo_engine.callbacks import Callback, TrainerControl, TrainerState
-from grpo_engine.checkpoint import save_pretrained_atomic
 from grpo_engine.config import GRPOConfig, lr_factor
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.data.templates import PromptTemplate
@@ -82,6 +82,9 @@ class GRPOTrainer:
         template: renders prompts for the default sampler and for ``evaluate`` (chat template when
             the tokenizer has one).
         callbacks: ``Callback`` objects (``HeldOutEval``, ``AdaptiveTemperature``, your own).
+        resume_from: ``"latest"`` (the newest checkpoint in ``output_dir``), a checkpoint folder, or a
+            ``Resume`` naming safe settings that may differ: continues that run exactly
+            (``grpo_engine.checkpoint``).
 
     Example:
         >>> # trainer = GRPOTrainer("HuggingFaceTB/SmolLM2-135M-Instruct", [MathAccuracy()], prompts,
@@ -105,6 +108,7 @@ class GRPOTrainer:
         entropy: EntropyEstimator | None = None,
         template: PromptTemplate | None = None,
         callbacks: Sequence[Callback] = (),
+        resume_from: str | Path | checkpoint.Resume | None = None,
     ) -> None:
         self.config = config = config if config is not None else GRPOConfig()
         self.memory = memory = memory if memory is not None else MemoryPlan()
@@ -147,6 +151,8 @@ class GRPOTrainer:
         self._skipped_in_a_row = 0
         self._bad_logprob_rows: list[tuple[Tensor, Tensor]] = []
         self._event("on_init")
+        self.resumed_from = None if resume_from is None else checkpoint.restore(
+            self, resume_from if isinstance(resume_from, checkpoint.Resume) else checkpoint.Resume(resume_from))
 
     @property
     def step_count(self) -> int:
@@ -177,8 +183,10 @@ class GRPOTrainer:
         out = Path(cfg.output_dir)
         if self.step_count == 0 and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size:
             raise FileExistsError(f"output_dir={str(out)!r} already holds a run (metrics.jsonl); a new run would "
-                                  "mix its metrics with it and replace its saved model. Choose another "
+                                  "mix its metrics with it and replace its saved model. Resume it with "
+                                  "GRPOTrainer(..., resume_from='latest') (CLI: --resume), choose another "
                                   "output_dir, or move the old run away first")
+        checkpoint.clean_leftovers(out)  # an interrupted save's temporary folders
         total = None if cfg.max_train_seconds else cfg.max_steps
         self._event("on_train_start")
         with MetricsLogger(out, total_steps=total, progress_bar=cfg.progress_bar,
@@ -191,6 +199,7 @@ class GRPOTrainer:
                 logger.log(self.step_count, metrics, write=write)  # an evaluation is never lost
                 if self.control.should_save or (cfg.save_every_steps and self.step_count % cfg.save_every_steps == 0):
                     self.save(out / f"checkpoint-{self.step_count}")
+                    checkpoint.prune_checkpoints(out, cfg.keep_last_checkpoints)
                 self.control.should_save = False
         self.save(out / "final")
         self._event("on_train_end")
@@ -259,14 +268,17 @@ class GRPOTrainer:
         return {f"eval/{name}": value for name, value in report.metrics.items()}
 
     def save(self, path: str | Path) -> Path:
-        """Saves the policy (the adapter under LoRA), the tokenizer and the run's config files; refuses
-        non-finite weights (nothing non-finite is ever written)."""
+        """Saves the policy (the adapter under LoRA), the tokenizer, the run's config files and the
+        trainer state that ``resume_from`` continues from, durably; refuses non-finite weights."""
         bad = [name for name, p in self.model.named_parameters() if p.requires_grad and not p.isfinite().all()]
         if bad:
             raise ValueError(f"refusing to save {path}: {len(bad)} trained tensors hold NaN or inf (first: {bad[0]}); "
                              "the last complete checkpoint stays as it was")
-        extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml()}
-        saved = save_pretrained_atomic(self.model, self.tokenizer, path, extras)
+        state, summary = checkpoint.trainer_state(self)
+        extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml(),
+                  checkpoint.SUMMARY_FILE: json.dumps(summary, indent=1)}
+        saved = checkpoint.save_pretrained_atomic(self.model, self.tokenizer, path, extras,
+                                                  {checkpoint.STATE_FILE: state})
         self._event("on_save", path=saved)
         return saved
 
