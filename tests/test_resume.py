@@ -57,7 +57,7 @@ def test_a_killed_run_resumes_bit_for_bit(uninterrupted, tmp_path, kill):
     proc = run(out, 6, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not list(out.glob(".tmp-*")) and not list(out.glob(".old-*"))  # leftovers cleaned
-    assert metrics(out) == metrics(uninterrupted)  # every step's numbers, once each (the killed run's extra lines dropped)
+    assert metrics(out) == metrics(uninterrupted)  # every step once (the killed run's extra lines dropped)
     for name in ("final", "checkpoint-6"):
         ours, whole = adapter(out / name), adapter(uninterrupted / name)
         assert ours.keys() == whole.keys() and all(torch.equal(ours[k], whole[k]) for k in ours)
