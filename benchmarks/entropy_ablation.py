@@ -47,8 +47,8 @@ rotated order per seed (seed k starts at arm k mod #arms) so that slow drifts of
 machine do not always hit the same arm.
 
 Output in ``--out``: ``ablation.json`` (everything: settings, hardware, versions, every run with its
-per-step metrics, the summary, checks), ``reward_curves.png``, one ``<arm>-seed<k>.json`` and
-``.log`` per worker; the last stdout line is one JSON object
+per-step metrics, the summary, checks; rewritten after each worker), ``reward_curves.png``, one
+``<arm>-seed<k>.json`` and ``.log`` per worker; the last stdout line is one JSON object
 ``{arm: {"before", "after_mean", "after_std", "after_per_seed", "step_s"}}`` (``step_s``: the
 median over every step of every seed of the arm; ``after_std``: sample standard deviation over
 seeds, null with one seed).
@@ -60,9 +60,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,15 +67,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for _path in (str(HERE), str(ROOT)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+import _harness as harness
 
-from perf import _hardware, _versions  # noqa: E402
-
-from grpo_engine.demo import DemoSettings  # noqa: E402
+from grpo_engine.demo import DemoSettings
 
 _DEMO = DemoSettings()
 TOP_ENTROPY_QUANTILE = 0.2
@@ -203,20 +194,12 @@ def build_trainer(spec: Spec, model, tokenizer, train: Sequence, template, rewar
                        entropy=ObservedEntropy(SemanticEntropy(normalize=True)), **arm)
 
 
-def source_hash(root: Path = ROOT) -> str:
+def source_hash(root: Path = harness.ROOT) -> str:
     """A digest of the ``grpo_engine`` sources, to catch workers that ran different code."""
     digest = hashlib.sha256()
     for path in sorted((root / "grpo_engine").rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
 
 
 def run_arm(spec: Spec) -> dict:
@@ -261,7 +244,7 @@ def run_arm(spec: Spec) -> dict:
     curves = {key: [r[key] for r in steps] for key in steps[0]} if steps else {}
     print(f"[{spec.arm} seed {spec.seed}] after {after:.4f}", file=sys.stderr, flush=True)
     return {"arm": spec.arm, "seed": spec.seed, "before": before, "after": after, "steps": len(steps),
-            "step_s_median": statistics.median(step_s) if step_s else None, "train_s": sum(step_s),
+            "step_s_median": harness.median(step_s), "train_s": sum(step_s),
             "wall_s": time.perf_counter() - wall, "curves": curves, "history": history,
             "spec": dataclasses.asdict(spec), "code": code}
 
@@ -270,22 +253,15 @@ def run_arm(spec: Spec) -> dict:
 
 
 def _run_worker(spec: Spec, out: Path) -> tuple[dict | None, str | None]:
+    """Runs one (arm, seed) worker; its log and result go to ``out/<arm>-seed<k>.log`` / ``.json``."""
     name = f"{spec.arm}-seed{spec.seed}"
-    result_path, log_path = out / f"{name}.json", out / f"{name}.log"
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(spec.threads), "MKL_NUM_THREADS": str(spec.threads),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(spec)),
-           "--result", str(result_path)]
+    args = [str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(spec))]
+    env = harness.worker_env(OMP_NUM_THREADS=str(spec.threads), MKL_NUM_THREADS=str(spec.threads))
     timeout = 1200 + 120 * spec.steps  # loading, two evaluations and slow steps on a shared machine
-    with log_path.open("w") as log:
-        try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return None, f"{name}: worker timed out after {timeout} s (log: {log_path})"
-    if proc.returncode == 0 and result_path.is_file():
-        return json.loads(result_path.read_text()), None
-    return None, f"{name}: worker failed (exit {proc.returncode}, log: {log_path}):\n{log_path.read_text()[-3000:]}"
+    result, error = harness.run_worker(name, args, timeout, env, out / f"{name}.log")
+    if result is not None:
+        harness.write_report(out / f"{name}.json", result)
+    return result, error
 
 
 def summarize(runs: Sequence[dict]) -> dict[str, dict]:
@@ -295,11 +271,11 @@ def summarize(runs: Sequence[dict]) -> dict[str, dict]:
         rs = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
         after = [r["after"] for r in rs]
         out[arm] = {
-            "before": statistics.fmean(r["before"] for r in rs),
-            "after_mean": statistics.fmean(after),
-            "after_std": statistics.stdev(after) if len(after) > 1 else None,
+            "before": harness.mean(r["before"] for r in rs),
+            "after_mean": harness.mean(after),
+            "after_std": harness.sd(after),
             "after_per_seed": after,
-            "step_s": statistics.median(s for r in rs for s in r["curves"]["step_s"]),
+            "step_s": harness.median(s for r in rs for s in r["curves"]["step_s"]),
             "seeds": [r["seed"] for r in rs],
             "steps_per_seed": [r["steps"] for r in rs],
             "train_s_per_seed": [r["train_s"] for r in rs],
@@ -331,7 +307,7 @@ def checks(runs: Sequence[dict], steps: int) -> tuple[list[str], list[str]]:
 
 
 def _smooth(values: Sequence[float], window: int = 5) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+    return [harness.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
 
 
 def _seed_mean(runs: Sequence[dict], key: str) -> list[float | None]:
@@ -339,8 +315,7 @@ def _seed_mean(runs: Sequence[dict], key: str) -> list[float | None]:
     curves = [r["curves"][key] for r in runs]
     out = []
     for i in range(max(map(len, curves), default=0)):
-        values = [c[i] for c in curves if i < len(c) and c[i] is not None]
-        out.append(statistics.fmean(values) if values else None)
+        out.append(harness.mean(c[i] for c in curves if i < len(c)))
     return out
 
 
@@ -373,38 +348,41 @@ def plot(runs: Sequence[dict], summary: dict[str, dict], path: Path, *, title: s
 
 
 def ablate(base: Spec, arms: Sequence[str], seeds: Sequence[int], out: Path) -> dict:
-    """Runs every (seed, arm) worker; returns the full report (also written to ``out/ablation.json``)."""
+    """Runs every (seed, arm) worker, seed k's arms rotated to start at arm k; returns the full report
+    (``out/ablation.json``, rewritten after each worker)."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs, errors = [], []
-    for k, seed in enumerate(seeds):
-        order = list(arms[k % len(arms):]) + list(arms[:k % len(arms)])
-        for arm in order:
-            print(f"[ablation] seed {seed}: {arm} ({base.steps} steps)", file=sys.stderr, flush=True)
-            result, error = _run_worker(dataclasses.replace(base, arm=arm, seed=seed), out)
-            if error:
-                errors.append(error)
-                print(f"[ablation] {error}", file=sys.stderr, flush=True)
-            else:
-                runs.append(result)
-                print(f"[ablation] {arm} seed {seed}: {result['before']:.4f} -> {result['after']:.4f}, "
-                      f"{result['step_s_median']:.2f} s/step, wall {result['wall_s']:.0f} s",
-                      file=sys.stderr, flush=True)
-    runs.sort(key=lambda r: (list(arms).index(r["arm"]), r["seed"]))
-    summary = summarize(runs)
-    problems, warnings = checks(runs, base.steps)
-    if runs:
-        plot(runs, summary, out / "reward_curves.png",
+
+    def report() -> dict:
+        ordered = sorted(runs, key=lambda r: (list(arms).index(r["arm"]), r["seed"]))
+        problems, warnings = checks(ordered, base.steps)
+        return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "date": time.strftime("%Y-%m-%d"),
+                "hardware": harness.hardware("cpu") + f", {base.threads} torch thread(s) per worker",
+                "versions": harness.versions(), "commit": harness.git_commit(),
+                "code": sorted({str(r.get("code")) for r in ordered}), "spec": dataclasses.asdict(base),
+                "arms": list(arms), "seeds": list(seeds), "summary": summarize(ordered), "problems": problems,
+                "warnings": warnings, "errors": list(errors), "wall_s": time.perf_counter() - start, "runs": ordered}
+
+    for k, arm in harness.schedule(arms, range(len(seeds)), rotate=True):
+        seed = seeds[k]
+        harness.say("ablation", f"seed {seed}: {arm} ({base.steps} steps)")
+        result, error = _run_worker(dataclasses.replace(base, arm=arm, seed=seed), out)
+        if error:
+            errors.append(error)
+            harness.say("ablation", error)
+        else:
+            runs.append(result)
+            harness.say("ablation", f"{arm} seed {seed}: {result['before']:.4f} -> {result['after']:.4f}, "
+                                    f"{result['step_s_median']:.2f} s/step, wall {result['wall_s']:.0f} s")
+        harness.write_report(out / "ablation.json", report())
+    final = report()
+    if final["runs"]:
+        plot(final["runs"], final["summary"], out / "reward_curves.png",
              title=f"{Path(base.model).name}, demo task, {base.steps} steps, seeds {list(seeds)}, "
                    f"B={base.prompts_per_step} G={base.group_size}")
-    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "date": time.strftime("%Y-%m-%d"),
-              "hardware": _hardware("cpu") + f", {base.threads} torch thread(s) per worker",
-              "versions": _versions(), "commit": _git_commit(), "code": sorted({str(r.get("code")) for r in runs}),
-              "spec": dataclasses.asdict(base), "arms": list(arms), "seeds": list(seeds),
-              "summary": summary, "problems": problems, "warnings": warnings, "errors": errors,
-              "wall_s": time.perf_counter() - start, "runs": runs}
-    (out / "ablation.json").write_text(json.dumps(report, indent=1))
-    return report
+    harness.write_report(out / "ablation.json", final)
+    return final
 
 
 def _table(report: dict) -> str:
@@ -427,10 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="a transformers folder (default: the demo's SmolLM2-135M-Instruct)")
     parser.add_argument("--out", type=Path, help="output folder (default runs/entropy_ablation/<timestamp>)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        args.result.write_text(json.dumps(run_arm(Spec(**json.loads(args.worker)))))
+        harness.emit(run_arm(Spec(**json.loads(args.worker))))
         return 0
     if args.steps < 1 or args.threads < 1 or len(set(args.seeds)) != len(args.seeds):
         parser.error("need --steps >= 1, --threads >= 1 and distinct --seeds")
@@ -439,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(smollm2_folder())
     base = Spec(model=str(args.model), steps=args.steps, threads=args.threads)
-    out = args.out or ROOT / "runs" / "entropy_ablation" / time.strftime("%Y%m%d-%H%M%S")
+    out = args.out or harness.ROOT / "runs" / "entropy_ablation" / time.strftime("%Y%m%d-%H%M%S")
     report = ablate(base, list(dict.fromkeys(args.arms)), args.seeds, out)
     print(_table(report), flush=True)
     print(f"report and plot: {out}", flush=True)

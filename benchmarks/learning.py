@@ -4,10 +4,12 @@ Both engines train the same model with LoRA on the demo's task for the same trai
 each (engine, seed) in a fresh process, alternating the order (seed 0: ours then trl, seed 1: trl
 then ours, ...). The parent prints a summary, writes ``learning.png`` (held-out accuracy against
 training wall time) and ``report.json`` to ``--out``, and prints one JSON object as its last line:
-``{"task", "budget_s", "ours": {"before", "after", "steps", ...}, "trl": {...}, "delta_after_pts", ...}``.
+``{"task", "budget_s", "ours": {"before", "after", "steps", ..., "settings"}, "trl": {...},
+"delta_after_pts", ...}``; each engine's ``settings`` (also a "used" line of the summary) is what
+it trained with. ``report.json`` is rewritten after each worker, so a crash keeps what finished.
 
     python benchmarks/learning.py                       # identical settings, 480 s each, SmolLM2-135M
-    python benchmarks/learning.py --mode defaults --seeds 2 --budget-s 300
+    python benchmarks/learning.py --mode defaults --seeds 2 --budget-s 300   # recommended settings
     python benchmarks/learning.py --mode defaults --first-seed 2 --seeds 1   # seed 2 alone, later
 
 The task (exactly the demo's, ``grpo_engine.demo``): ``arithmetic_task(num_train, num_test,
@@ -47,27 +49,31 @@ demo's 16, reduced to gcd with B*G). TRL mapping: ``num_generations=G``,
 optimizer step consumes exactly the B*G completions of one generation (``benchmarks/perf.py``'s
 mapping). The workers read back what each engine holds and the parent fails when it differs.
 
-``--mode defaults`` (each engine as its users get it):
+``--mode defaults``: each engine's recommended settings for this hardware (what its users would
+pick on the machine the benchmark runs on, a 2-core CPU by default; each keeps its own learning
+rate, batch shape, loss and other recipe choices). Both train with the completion limit the task
+needs, the demo's ``DemoSettings().max_completion_tokens`` (16 new tokens), while the evaluation
+keeps ``--max-completion-tokens`` for both; on the CPU both train in float32 without autocast and
+without gradient checkpointing (a 135M model with LoRA is not short of memory).
 
 - ours: ``DemoSettings()`` (its batch shape ``prompts_per_step`` x ``group_size``, lr 3e-4 with
   its ``lr_schedule``, temperature 1.0, LoRA r 16 / alpha 32, micro-batch 16, 128 prompt tokens,
-  and its training cap of ``max_completion_tokens`` = 16 new tokens; ``--prompts-per-step`` /
-  ``--group-size`` then apply to TRL only, and the evaluation keeps the task's
-  ``--max-completion-tokens`` for both engines; ``max_train_seconds`` is the budget, so a
-  ``linear`` / ``cosine`` schedule decays over it: the trainer's clock, the time spent in
-  ``step()``, is what this benchmark counts) and ``GRPOConfig`` / component defaults for
-  everything else (AdamW betas 0.9 / 0.99, clipping 1.0, the recipe's advantage and loss
-  (``grpo_engine.demo.recipe_components``: Dr. GRPO's group mean without the std, tokens summed over
-  sequences x 16), clip 0.2, no KL, the prompt shared across its group in sampling and in the
-  training pass).
+  ``max_completion_tokens``; ``--prompts-per-step`` / ``--group-size`` then apply to TRL only;
+  ``max_train_seconds`` is the budget, so a ``linear`` / ``cosine`` schedule decays over it: the
+  trainer's clock, the time spent in ``step()``, is what this benchmark counts) and ``GRPOConfig``
+  / component defaults for everything else (AdamW betas 0.9 / 0.99, clipping 1.0, the recipe's
+  advantage and loss (``grpo_engine.demo.recipe_components``: Dr. GRPO's group mean without the
+  std, tokens summed over sequences x 16), clip 0.2, no KL, float32, the prompt shared across its
+  group in sampling and in the training pass).
 - TRL: ``GRPOConfig()`` defaults except what the task fixes (``num_generations=G``, B*G
-  completions per generation and per optimizer step, ``max_completion_length``, the same LoRA
-  ``peft_config``) and lr 1e-4 (the issue's measured TRL recipe; TRL's default 1e-6 is meant for
-  full fine-tuning). So: temperature 1.0, ``loss_type="dapo"``, linear lr decay over
-  ``max_steps`` (set to 10**6, so the decay within a run is < 0.01%), AdamW betas 0.9 / 0.999,
-  ``per_device_train_batch_size`` 8 (its default, reduced to gcd with B*G),
-  ``gradient_checkpointing=True`` and ``bf16=True`` (TRL's defaults; on a CPU bf16 autocast of
-  the training forward pass).
+  completions per generation and per optimizer step, ``max_completion_length`` = the demo's 16,
+  the same LoRA ``peft_config``), lr 1e-4 (the issue's measured TRL recipe; TRL's default 1e-6 is
+  meant for full fine-tuning) and, on the CPU, ``bf16=False``, ``fp16=False`` and
+  ``gradient_checkpointing=False``: TRL's defaults switch bf16 autocast and gradient checkpointing
+  on, choices for a GPU (with ``--device cuda`` they stay on). So: temperature 1.0,
+  ``loss_type="dapo"``, linear lr decay over ``max_steps`` (set to 10**6, so the decay within a run
+  is < 0.01%), AdamW betas 0.9 / 0.999, ``per_device_train_batch_size`` 8 (its default, reduced to
+  gcd with B*G).
 
 Settings that are not about learning, the same in both modes: TRL ``report_to="none"``,
 ``save_strategy="no"``, ``logging_steps=1`` (to record its mean reward per step),
@@ -86,29 +92,24 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for _path in (str(HERE), str(ROOT)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from perf import _checkpointing, _hardware, _lora_settings, _versions, _weights_dtype  # noqa: E402
+import _harness as harness
 
 INSTRUCTION = " Reply with only the final number."  # the demo's (grpo_engine.demo.DemoSettings)
 HONEST_RANGE = (0.10, 0.50)  # greedy accuracy of the base model that keeps the task honest
 ENGINES = ("ours", "trl")
+MODES = {"identical": "identical settings", "defaults": "each engine's recommended settings for this hardware"}
 IDENTICAL = {"learning_rate": 1e-4, "temperature": 1.0, "aggregation": "token", "lora_r": 16, "lora_alpha": 32.0,
              "advantage_eps": 1e-4, "adam_betas": (0.9, 0.99)}
 TRL_DEFAULTS_LR = 1e-4  # the issue's measured TRL recipe (TRL's own default, 1e-6, is for full fine-tuning)
+# what a TRL user picks on a CPU: TRL's defaults turn on bf16 autocast and gradient checkpointing, both choices
+# for a GPU (and a 135M model with LoRA is not short of memory)
+TRL_ON_CPU = {"bf16": False, "fp16": False, "gradient_checkpointing": False}
 TRL_AGGREGATION = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}
 
 
@@ -182,7 +183,7 @@ class TrainingClock:
     def summary(self) -> dict:
         return {"steps": self.steps, "train_s": self.train_s, "eval_s": self.eval_s,
                 "step_s_mean": self.train_s / self.steps if self.steps else None,
-                "step_s_median": statistics.median(self.step_s) if self.steps else None,
+                "step_s_median": harness.median(self.step_s),
                 "step_s": self.step_s, "curve": self.curve}
 
 
@@ -297,8 +298,9 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         "completions_per_optimizer_step": config.completions_per_step, "generations_per_optimizer_step": 1,
         "micro_batch_size": min(memory.micro_batch_size, config.completions_per_step),
         "max_completion_tokens": config.max_completion_tokens,
-        "lora": _lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-        "gradient_checkpointing": _checkpointing(trainer.model), "precision": _weights_dtype(trainer.model),
+        "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
+        "gradient_checkpointing": harness.checkpointing(trainer.model),
+        "precision": harness.weights_dtype(trainer.model),
         "kl_coef": loss.kl_coef, "clip_eps": [loss.clip_eps_low, loss.clip_eps_high], "aggregation": loss.aggregation,
         "advantage": _advantage(getattr(advantage, "std_scope", "none"), getattr(advantage, "eps", 0.0)),
         "updates_per_batch": config.updates_per_batch,
@@ -320,14 +322,13 @@ def run_trl(spec: Spec, workdir: str) -> dict:
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
+    from grpo_engine.demo import DemoSettings
     from grpo_engine.types import Prompt
 
     s = _setup(spec)
     before = s.accuracy(s.model, s.test)
     n = spec.completions
     if spec.mode == "identical":
-        from grpo_engine.demo import DemoSettings
-
         micro = _micro(spec.micro_batch_size or DemoSettings().micro_batch_size, n)
         lr, r, alpha = IDENTICAL["learning_rate"], IDENTICAL["lora_r"], IDENTICAL["lora_alpha"]
         beta1, beta2 = IDENTICAL["adam_betas"]
@@ -336,13 +337,16 @@ def run_trl(spec: Spec, workdir: str) -> dict:
                    optim="adamw_torch", max_grad_norm=1.0, bf16=False, fp16=False, gradient_checkpointing=False,
                    beta=0.0, epsilon=0.2, num_iterations=1, scale_rewards="group", top_p=1.0, top_k=0,
                    mask_truncated_completions=False)
-    else:
+        train_tokens = spec.max_completion_tokens
+    else:  # TRL's defaults, but for what a user picks on this hardware and the task's completion limit
         default = next(f.default for f in dataclasses.fields(TRLConfig) if f.name == "per_device_train_batch_size")
         micro = _micro(spec.micro_batch_size or default, n)
-        lr, r, alpha, own = TRL_DEFAULTS_LR, IDENTICAL["lora_r"], IDENTICAL["lora_alpha"], {}
+        lr, r, alpha = TRL_DEFAULTS_LR, IDENTICAL["lora_r"], IDENTICAL["lora_alpha"]
+        own = dict(TRL_ON_CPU) if spec.device == "cpu" else {}  # on a GPU, TRL's own bf16 and checkpointing
+        train_tokens = DemoSettings().max_completion_tokens  # ours trains at the same limit in this mode
     args = TRLConfig(
         output_dir=workdir, num_generations=spec.group_size, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=n // micro, max_completion_length=spec.max_completion_tokens,
+        gradient_accumulation_steps=n // micro, max_completion_length=train_tokens,
         learning_rate=lr, max_steps=10**6, seed=spec.seed, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=True, use_cpu=spec.device == "cpu", log_completions=False, dataloader_num_workers=0, **own,
     )
@@ -382,9 +386,9 @@ def run_trl(spec: Spec, workdir: str) -> dict:
         "completions_per_optimizer_step": a.per_device_train_batch_size * a.gradient_accumulation_steps,
         "generations_per_optimizer_step": a.gradient_accumulation_steps // a.steps_per_generation,
         "micro_batch_size": a.per_device_train_batch_size, "max_completion_tokens": a.max_completion_length,
-        "lora": _lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-        "gradient_checkpointing": _checkpointing(trainer.model),
-        "precision": _weights_dtype(trainer.model) + (" + bf16 autocast" if a.bf16 else "")
+        "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
+        "gradient_checkpointing": harness.checkpointing(trainer.model),
+        "precision": harness.weights_dtype(trainer.model) + (" + bf16 autocast" if a.bf16 else "")
                      + (" + fp16 autocast" if a.fp16 else ""),
         "kl_coef": a.beta, "clip_eps": [a.epsilon, a.epsilon_high if a.epsilon_high is not None else a.epsilon],
         "aggregation": TRL_AGGREGATION.get(a.loss_type, a.loss_type),
@@ -416,46 +420,40 @@ def worker(engine: str, spec: Spec) -> dict:
 
 
 def _run_worker(engine: str, spec: Spec, out: Path) -> tuple[dict | None, str | None]:
+    """Runs one (engine, seed) worker; its log and result go to ``out/<engine>-seed<k>.log`` / ``.json``."""
     name = f"{engine}-seed{spec.seed}"
-    result_path, log_path = out / f"{name}.json", out / f"{name}.log"
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine,
-           "--spec", json.dumps(dataclasses.asdict(spec)), "--result", str(result_path)]
+    args = [str(Path(__file__).resolve()), "--worker", engine, "--spec", json.dumps(dataclasses.asdict(spec))]
     timeout = 2 * spec.budget_s + 1800  # the budget, overshoot, loading and evaluations
-    with log_path.open("w") as log:
-        try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return None, f"{name}: worker timed out after {timeout:.0f} s (log: {log_path})"
-    if proc.returncode == 0 and result_path.is_file():
-        return json.loads(result_path.read_text()), None
-    tail = log_path.read_text()[-3000:]
-    return None, f"{name}: worker failed (exit {proc.returncode}, log: {log_path}):\n{tail}"
-
-
-def _mean(values: list[float]) -> float | None:
-    return statistics.fmean(values) if values else None
-
-
-def _std(values: list[float]) -> float | None:
-    return statistics.stdev(values) if len(values) > 1 else None
+    result, error = harness.run_worker(name, args, timeout, harness.worker_env(), out / f"{name}.log")
+    if result is not None:
+        harness.write_report(out / f"{name}.json", result)
+    return result, error
 
 
 def _engine_summary(runs: list[dict]) -> dict | None:
+    """One engine over its seeds: means (one seed: its values), and the settings it trained with."""
     if not runs:
         return None
+
     def mean(key: str):  # one seed: its own value (steps stay an int)
         values = [r[key] for r in runs if r[key] is not None]
-        return values[0] if len(runs) == 1 else _mean(values)
+        return values[0] if len(runs) == 1 and values else harness.mean(values)
 
     out = {"before": mean("before"), "after": mean("after"), "steps": mean("steps"), "step_s": mean("step_s_mean"),
            "train_s": mean("train_s")}
     if len(runs) > 1:
-        out.update({"after_std": _std([r["after"] for r in runs]), "seeds": [r["seed"] for r in runs],
+        out.update({"after_std": harness.sd(r["after"] for r in runs), "seeds": [r["seed"] for r in runs],
                     **{f"{k}_runs": [r[k] for r in runs] for k in ("before", "after", "steps")}})
+    out["settings"] = runs[0]["settings"]  # what the engine held (the same for every seed)
     return out
+
+
+def _used(s: dict) -> str:
+    """What an engine trained with, in one line of the table (the settings the defaults mode lets differ)."""
+    checkpointing = "gradient checkpointing" if s["gradient_checkpointing"] else "no gradient checkpointing"
+    return (f"{s['prompts_per_step']} prompts x {s['group_size']} completions, {s['max_completion_tokens']} "
+            f"completion tokens, {s['precision']}, {checkpointing}, lr {s['learning_rate']:g} {s['lr_schedule']}, "
+            f"{s['aggregation']} loss aggregation, advantage {s['advantage']}, micro-batch {s['micro_batch_size']}")
 
 
 def _checks(spec: Spec, runs: dict[str, list[dict]]) -> tuple[list[str], list[str]]:
@@ -512,51 +510,60 @@ def plot(runs: dict[str, list[dict]], path: Path, *, title: str, budget_s: float
     plt.close(fig)
 
 
-def compare(spec: Spec, seeds: int, out: Path, first_seed: int = 0) -> dict:
-    """Runs the alternating workers for seeds ``first_seed`` .. ``first_seed + seeds - 1``; returns the full
-    report (also written to ``out/report.json``)."""
-    out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
-    errors: list[str] = []
-    for seed in range(first_seed, first_seed + seeds):
-        order = ENGINES if seed % 2 == 0 else ENGINES[::-1]
-        for engine in order:
-            print(f"[learning] seed {seed}: {engine} ({spec.mode}, {spec.budget_s:g} s)", file=sys.stderr, flush=True)
-            result, error = _run_worker(engine, dataclasses.replace(spec, seed=seed), out)
-            if error:
-                errors.append(error)
-                print(f"[learning] {error}", file=sys.stderr, flush=True)
-            else:
-                runs[engine].append(result)
+def _summary(spec: Spec, seeds: int, first_seed: int, runs: dict[str, list[dict]], errors: list[str],
+             out: Path) -> dict:
+    """The comparison of the seeds that both engines finished: the JSON last line."""
     paired = [(a, b) for a in runs["ours"] for b in runs["trl"] if a["seed"] == b["seed"]]
     deltas = [100 * (a["after"] - b["after"]) for a, b in paired]
     problems, warnings = _checks(spec, {"ours": [a for a, _ in paired], "trl": [b for _, b in paired]})
     ours, trl = _engine_summary(runs["ours"]), _engine_summary(runs["trl"])
     summary = {"task": _task_name(spec), "budget_s": spec.budget_s, "ours": ours, "trl": trl,
-               "delta_after_pts": _mean(deltas), "mode": spec.mode, "seeds": seeds, "first_seed": first_seed}
+               "delta_after_pts": harness.mean(deltas), "mode": spec.mode, "seeds": seeds, "first_seed": first_seed}
     if seeds > 1:
-        summary.update(delta_after_pts_runs=deltas, delta_after_pts_std=_std(deltas))
-    summary.update(problems=problems, warnings=warnings, errors=errors, out=str(out))
+        summary.update(delta_after_pts_runs=deltas, delta_after_pts_std=harness.sd(deltas))
+    summary.update(problems=problems, warnings=warnings, errors=list(errors), out=str(out))
+    return summary
+
+
+def compare(spec: Spec, seeds: int, out: Path, first_seed: int = 0) -> dict:
+    """Runs the alternating workers for seeds ``first_seed`` .. ``first_seed + seeds - 1`` (seed k even: ours
+    then trl; odd: trl then ours); returns the summary. The full report, ``out/report.json``, is rewritten
+    after each worker."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
+    errors: list[str] = []
+
+    def report() -> dict:
+        return {**_summary(spec, seeds, first_seed, runs, errors, out), "spec": dataclasses.asdict(spec),
+                "hardware": harness.hardware(spec.device), "versions": harness.versions(), "runs": runs}
+
+    for seed, engine in harness.schedule(ENGINES, range(first_seed, first_seed + seeds), rotate=True):
+        harness.say("learning", f"seed {seed}: {engine} ({spec.mode}, {spec.budget_s:g} s)")
+        result, error = _run_worker(engine, dataclasses.replace(spec, seed=seed), out)
+        if error:
+            errors.append(error)
+            harness.say("learning", error)
+        else:
+            runs[engine].append(result)
+        harness.write_report(out / "report.json", report())
     shapes = ", ".join(f"{engine} {r[0]['settings']['prompts_per_step']}x{r[0]['settings']['group_size']}"
                        for engine, r in runs.items() if r)  # each engine's own batch (they differ in defaults mode)
-    plot(runs, out / "learning.png", title=f"{Path(spec.model).name}, {spec.mode} settings, {spec.budget_s:g} s "
+    plot(runs, out / "learning.png", title=f"{Path(spec.model).name}, {MODES[spec.mode]}\n{spec.budget_s:g} s "
                                            f"training budget, prompts x completions: {shapes}",
          budget_s=spec.budget_s, subset=spec.eval_subset)
-    report = {**summary, "spec": dataclasses.asdict(spec), "hardware": _hardware(spec.device),
-              "versions": _versions(), "runs": runs}
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    return summary
+    return _summary(spec, seeds, first_seed, runs, errors, out)
 
 
 def _table(s: dict) -> str:
     lines = [f"task: {s['task']}",
-             f"mode {s['mode']}, budget {s['budget_s']:g} s of training, "
+             f"mode {s['mode']} ({MODES[s['mode']]}), budget {s['budget_s']:g} s of training, "
              f"{s['seeds']} seed(s) from seed {s['first_seed']}",
              f"{'':6}{'before':>8}{'after':>8}{'steps':>8}{'step s':>9}"]
     for engine in ENGINES:
         e = s[engine]
         if e:
             lines.append(f"{engine:6}{e['before']:8.3f}{e['after']:8.3f}{e['steps']:8.1f}{e['step_s'] or 0:9.2f}")
+    lines += [f"{engine} used: {_used(s[engine]['settings'])}" for engine in ENGINES if s[engine]]
     if s["delta_after_pts"] is not None:
         lines.append(f"after, ours - trl: {s['delta_after_pts']:+.1f} points")
     lines += [f"PROBLEM: {x}" for x in s["problems"]] + [f"WARNING: {x}" for x in s["warnings"]]
@@ -567,7 +574,9 @@ def _table(s: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=480.0, help="training wall time per engine (default 480)")
-    parser.add_argument("--mode", choices=("identical", "defaults"), default="identical")
+    parser.add_argument("--mode", choices=tuple(MODES), default="identical",
+                        help="identical: the same settings for both engines (default); defaults: each engine's "
+                        "recommended settings for this hardware (see the module docstring)")
     parser.add_argument("--seeds", type=int, default=1, help="how many seeds, each runs both engines (default 1)")
     parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0): --first-seed 2 "
                         "--seeds 1 runs seed 2 alone, as the third of --seeds 3 would (same engine order)")
@@ -585,11 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="output folder (default runs/learning/<timestamp>)")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        result = worker(args.worker, Spec(**json.loads(args.spec)))
-        args.result.write_text(json.dumps(result))
+        harness.emit(worker(args.worker, Spec(**json.loads(args.spec))))
         return 0
     if args.seeds < 1 or args.first_seed < 0 or args.budget_s <= 0 or not 1 <= args.eval_subset <= args.num_test:
         parser.error(f"got --seeds {args.seeds}, --first-seed {args.first_seed}, --budget-s {args.budget_s:g}, "
@@ -604,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                 eval_every_s=args.eval_every_s, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                 max_completion_tokens=args.max_completion_tokens, micro_batch_size=args.micro_batch_size,
                 device=args.device)
-    out = args.out or ROOT / "runs" / "learning" / time.strftime("%Y%m%d-%H%M%S")
+    out = args.out or harness.ROOT / "runs" / "learning" / time.strftime("%Y%m%d-%H%M%S")
     summary = compare(spec, args.seeds, out, first_seed=args.first_seed)
     print(_table(summary), flush=True)
     print(json.dumps(summary), flush=True)

@@ -51,28 +51,18 @@ from the worker's launch to the end of its first step; ours also the memory esti
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for _path in (str(HERE), str(ROOT)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+import _harness as harness
+from _measure import BF16_FLOPS, BYTES, NF4_BYTES, PhaseMemory, StageClock, decode_roofline, training_mfu
+from _models import SHAPES, build_model, count_params, hash_score, make_prompts, word_tokenizer
 
-from _measure import BF16_FLOPS, BYTES, NF4_BYTES, PhaseMemory, StageClock, decode_roofline, training_mfu  # noqa: E402
-from _models import SHAPES, build_model, count_params, hash_score, make_prompts, word_tokenizer  # noqa: E402
-
-RESULT_TAG = "PERF_RESULT "
 STAGES = ("generation_s", "reward_s", "logprobs_s", "loss_backward_s", "optimizer_s", "other_s")
 
 
@@ -134,8 +124,6 @@ PRESETS: dict[str, Preset] = {
                            gradient_checkpointing=True, quantization="nf4", learning_rate=1e-5, warmup_steps=1,
                            measured_steps=3, repetitions=1, worker_timeout_s=130),
 }
-
-
 
 
 def smoke(p: Preset) -> Preset:
@@ -226,27 +214,6 @@ def _setup(p: Preset):
     return model, word_tokenizer(shape.vocab), texts
 
 
-def _lora_settings(peft_config) -> dict | None:
-    if peft_config is None:
-        return None
-    targets = peft_config.target_modules  # peft resolves "all-linear" to module names: keep their kinds
-    targets = sorted({t.rsplit(".", 1)[-1] for t in targets}) if isinstance(targets, (set, list, tuple)) else targets
-    return {"r": peft_config.r, "alpha": float(peft_config.lora_alpha), "dropout": peft_config.lora_dropout,
-            "targets": targets}
-
-
-def _checkpointing(model) -> bool:
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5.x, 4.x
-        with contextlib.suppress(AttributeError):
-            return bool(getattr(model, name))
-    return False
-
-
-def _weights_dtype(model) -> str:
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    return str((frozen or list(model.parameters()))[0].dtype).replace("torch.", "")
-
-
 # -- the two workers ------------------------------------------------------------------------------
 
 
@@ -256,11 +223,6 @@ def _sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
-
-
-def _launched_at() -> float:
-    """When the parent launched this worker (epoch seconds), for the time to the first step."""
-    return float(os.environ.get("PERF_LAUNCHED_AT", time.time()))
 
 
 def run_ours(p: Preset, workdir: str) -> dict:
@@ -316,7 +278,7 @@ def run_ours(p: Preset, workdir: str) -> dict:
         m = trainer.step()
         stages = clock.seconds()  # synchronises once, after the step
         step_s = time.perf_counter() - start
-        first_step_s = first_step_s if first_step_s is not None else time.time() - _launched_at()
+        first_step_s = first_step_s if first_step_s is not None else time.time() - harness.launched_at()
         phases = trainer.sampler.last_clock.seconds() if trainer.sampler.last_clock is not None else {}
         stages.update(reward_s=m["time/reward_s"], logprobs_s=m["time/logprobs_s"])
         stages["loss_backward_s"] = (step_s - stages["generation_s"] - stages["optimizer_s"] - stages["reward_s"]
@@ -328,10 +290,10 @@ def run_ours(p: Preset, workdir: str) -> dict:
         "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
         "completions_per_optimizer_step": config.completions_per_step, "generations_per_optimizer_step": 1,
         "micro_batch_size": memory.micro_batch_size, "max_completion_tokens": config.max_completion_tokens,
-        "lora": _lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-        "gradient_checkpointing": _checkpointing(trainer.model),
-        "weights_dtype": _weights_dtype(trainer.model),
-        "compute_dtype": memory.compute_dtype if memory.mixed_precision else _weights_dtype(trainer.model),
+        "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
+        "gradient_checkpointing": harness.checkpointing(trainer.model),
+        "weights_dtype": harness.weights_dtype(trainer.model),
+        "compute_dtype": memory.compute_dtype if memory.mixed_precision else harness.weights_dtype(trainer.model),
         "kl_coef": loss.kl_coef, "clip_eps": loss.clip_eps_low,
         "aggregation": "sequence", "learning_rate": config.learning_rate, "adam_betas": list(config.adam_betas),
         "max_grad_norm": config.max_grad_norm, "temperature": config.temperature,
@@ -427,7 +389,7 @@ def run_trl(p: Preset, workdir: str) -> dict:
         def on_step_end(self, *a, **k):
             s = clock.seconds()  # synchronises once, after the step
             now = time.perf_counter()
-            state.setdefault("first_step_s", time.time() - _launched_at())
+            state.setdefault("first_step_s", time.time() - harness.launched_at())
             s["loss_backward_s"] = (s.pop("training_step_s", 0.0) - s.pop("prepare_inputs_s", 0.0)
                                     + s.pop("clip_s", 0.0))
             row = _step_row(now - state["last"], s, seen)
@@ -444,10 +406,10 @@ def run_trl(p: Preset, workdir: str) -> dict:
         "completions_per_optimizer_step": a.per_device_train_batch_size * a.gradient_accumulation_steps,
         "generations_per_optimizer_step": a.gradient_accumulation_steps // a.steps_per_generation,
         "micro_batch_size": a.per_device_train_batch_size, "max_completion_tokens": a.max_completion_length,
-        "lora": _lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-        "gradient_checkpointing": _checkpointing(trainer.model),
-        "weights_dtype": _weights_dtype(trainer.model),
-        "compute_dtype": "bfloat16" if a.bf16 else "float16" if a.fp16 else _weights_dtype(trainer.model),
+        "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
+        "gradient_checkpointing": harness.checkpointing(trainer.model),
+        "weights_dtype": harness.weights_dtype(trainer.model),
+        "compute_dtype": "bfloat16" if a.bf16 else "float16" if a.fp16 else harness.weights_dtype(trainer.model),
         "kl_coef": a.beta, "clip_eps": a.epsilon,
         "aggregation": {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}.get(a.loss_type, a.loss_type),
         "learning_rate": a.learning_rate, "adam_betas": [a.adam_beta1, a.adam_beta2],
@@ -468,11 +430,8 @@ def worker(engine: str, p: Preset) -> dict:
     measured = raw["rows"][p.warmup_steps:]
     if not measured:
         raise SystemExit(f"{engine}: no measured step (ran {len(raw['rows'])}, warm-up {p.warmup_steps})")
-    med = {k: statistics.median(r[k] for r in measured) for k in ("step_s", *STAGES)}
-    for key in ("prefill_s", "decode_s"):
-        values = [r[key] for r in measured if r.get(key) is not None]
-        med[key] = statistics.median(values) if values else None
-    generated = statistics.median(r["generated_tokens"] for r in measured)
+    med = {k: harness.median(r.get(k) for r in measured) for k in ("step_s", *STAGES, "prefill_s", "decode_s")}
+    generated = harness.median(r["generated_tokens"] for r in measured)
     return {
         "engine": engine, "step_s": med["step_s"], "step_s_min": min(r["step_s"] for r in measured),
         "stages": {k: med[k] for k in STAGES}, "prefill_s": med["prefill_s"], "decode_s": med["decode_s"],
@@ -490,33 +449,6 @@ def worker(engine: str, p: Preset) -> dict:
 
 
 # -- the parent: alternate the engines, aggregate, compare -------------------------------------------
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "peft", "trl", "accelerate"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def _hardware(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        if torch.cuda.is_available():
-            return f"{torch.cuda.get_device_name()} (1 GPU)"
-    name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    return f"{name}, {os.cpu_count()} logical cores"
 
 
 def floor(p: Preset) -> dict:
@@ -570,17 +502,15 @@ def derived(p: Preset, fl: dict, result: dict) -> dict:
 
 
 def _aggregate(p: Preset, runs: list[dict], fl: dict) -> dict:
-    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
-    optional = lambda key: (statistics.median(v) if (v := [r[key] for r in runs if r.get(key) is not None])  # noqa: E731
-                            else None)
+    med = lambda key: harness.median(r.get(key) for r in runs)  # None where no run has a value
     out = {"step_s": med("step_s"), "step_s_min": min(r["step_s_min"] for r in runs),
-           "stages": {k: statistics.median(r["stages"][k] for r in runs) for k in STAGES},
-           "prefill_s": optional("prefill_s"), "decode_s": optional("decode_s"),
-           "first_step_s": optional("first_step_s"), "decoding": runs[0]["decoding"],
+           "stages": {k: harness.median(r["stages"][k] for r in runs) for k in STAGES},
+           "prefill_s": med("prefill_s"), "decode_s": med("decode_s"),
+           "first_step_s": med("first_step_s"), "decoding": runs[0]["decoding"],
            "decoding_fallback": runs[0].get("decoding_fallback"),
            "prompt_sharing_in_training": runs[0]["prompt_sharing_in_training"],
            "generated_tokens_per_step": med("generated_tokens_per_step"),
-           "peak_mib": med("peak_mib"), "peak_reserved_mib": optional("peak_reserved_mib"),
+           "peak_mib": med("peak_mib"), "peak_reserved_mib": med("peak_reserved_mib"),
            "baseline_mib": med("baseline_mib"), "phases_mib": runs[0]["phases_mib"],
            "peak_above_baseline_mib": med("peak_above_baseline_mib"), "peak_scope": runs[0]["peak_scope"],
            "trainable_params": runs[0]["trainable_params"], "settings": runs[0]["settings"],
@@ -619,30 +549,6 @@ def _problems(p: Preset, results: dict) -> list[str]:
     return problems
 
 
-def _run_worker(engine: str, p: Preset, timeout: float, log: Path | None = None) -> tuple[dict | None, str | None]:
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1",
-           "PERF_LAUNCHED_AT": repr(time.time())}
-    spec = json.dumps(dataclasses.asdict(p))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--spec", spec]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as stopped:
-        if log is not None:
-            with log.open("a") as f:
-                f.write(f"--- {engine}: timed out after {timeout:.0f} s; its output:\n{stopped.stderr or ''}\n")
-        return None, f"{engine}: worker timed out after {timeout:.0f} s (its fixed limit)"
-    if log is not None:
-        with log.open("a") as f:
-            f.write(f"--- {engine} worker (exit {proc.returncode}) stderr:\n{proc.stderr[-20000:]}\n")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):]), None
-    tail = (proc.stderr or proc.stdout)[-3000:]
-    return None, f"{engine}: worker failed (exit {proc.returncode}):\n{tail}"
-
-
 def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str]) -> dict:
     fl = floor(p)
     results = {e: _aggregate(p, r, fl) if r else None for e, r in runs.items()}
@@ -650,7 +556,7 @@ def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str]
     both = bool(ours and trl)
     problems = _problems(p, results)
     return {
-        "preset": name, "device": p.device, "hardware": _hardware(p.device), "versions": _versions(),
+        "preset": name, "device": p.device, "hardware": harness.hardware(p.device), "versions": harness.versions(),
         "spec": dataclasses.asdict(p), "floor": fl, "ours": ours, "trl": trl,
         "ratio_step_time": ours["step_s"] / trl["step_s"] if both else None,
         "ratio_peak_memory": ours["peak_mib"] / trl["peak_mib"] if both else None,
@@ -672,31 +578,30 @@ def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, bu
     is left before ``deadline`` (epoch seconds) or of ``budget_s``; a worker with under 10 s left is
     skipped and reported in ``errors``.
     """
-    start = time.time()
-    ends = [x for x in (deadline, start + budget_s if budget_s is not None else None) if x is not None]
+    ends = [x for x in (deadline, time.time() + budget_s if budget_s is not None else None) if x is not None]
+    end = min(ends) if ends else None
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     errors: list[str] = []
-    order = [(rep, engine) for rep in range(p.repetitions) for engine in engines]  # ours, trl, ours, trl, ...
-    for rep, engine in order:
-        timeout = p.trl_timeout_s if engine == "trl" and p.trl_timeout_s else p.worker_timeout_s
-        if ends:
-            timeout = min(timeout, min(ends) - time.time())
-            if timeout < 10:
-                errors.append(f"{engine} repetition {rep + 1}: skipped, the time budget is spent")
-                continue
-        print(f"[perf] {name}: {engine} repetition {rep + 1}/{p.repetitions} (limit {timeout:.0f} s)",
-              file=sys.stderr, flush=True)
-        result, error = _run_worker(engine, p, timeout, log)
+    spec = json.dumps(dataclasses.asdict(p))
+    for rep, engine in harness.schedule(engines, range(p.repetitions), rotate=False):  # ours, trl, ours, trl, ...
+        fixed = p.trl_timeout_s if engine == "trl" and p.trl_timeout_s else p.worker_timeout_s
+        timeout = harness.time_limit(fixed, end)
+        if timeout is None:
+            errors.append(f"{engine} repetition {rep + 1}: skipped, the time budget is spent")
+            continue
+        harness.say("perf", f"{name}: {engine} repetition {rep + 1}/{p.repetitions} (limit {timeout:.0f} s)")
+        args = [str(Path(__file__).resolve()), "--worker", engine, "--spec", spec]
+        result, error = harness.run_worker(engine, args, timeout, harness.worker_env(), log)
         if error:
             errors.append(error)
-            print(f"[perf] {error}", file=sys.stderr, flush=True)
+            harness.say("perf", error)
         else:
             runs[engine].append(result)
         if out is not None:
-            out.write_text(json.dumps(_report(name, p, runs, errors), indent=1))
+            harness.write_report(out, _report(name, p, runs, errors))
     report = _report(name, p, runs, errors)
     if out is not None:
-        out.write_text(json.dumps(report, indent=1))
+        harness.write_report(out, report)
     return report
 
 
@@ -753,8 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        result = worker(args.worker, Preset(**json.loads(args.spec)))
-        print(RESULT_TAG + json.dumps(result), flush=True)
+        harness.emit(worker(args.worker, Preset(**json.loads(args.spec))))
         return 0
     p = PRESETS[args.preset]
     if args.smoke:

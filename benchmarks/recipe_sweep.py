@@ -36,15 +36,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
+import _harness as harness
 
 COMPONENT_KEYS = ("config", "dynamic_sampling", "advantage", "loss")  # variant keys that are not DemoSettings fields
 
@@ -114,8 +109,8 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
                 print(f"[sweep] {json.dumps(variant)} step {step}: {point[1]:.4f} (demo split {point[2]:.4f}; "
                       f"{json.dumps(point[3])})", flush=True)
 
-    def median(key: str) -> float:
-        return statistics.median(m[key] for m in trainer.history)
+    def median(key: str) -> float | None:
+        return harness.median(m[key] for m in trainer.history)
 
     return {"curve": curve, "step_s": median("time/step_s"), "sample_s": median("time/sample_s"),
             "train_s": median("time/train_s")}

@@ -1,4 +1,5 @@
-"""Smoke test of the benchmark harness (benchmarks/perf.py) on its micro preset, plus its helpers.
+"""Smoke test of benchmarks/perf.py on its micro preset, its model helpers, and the shared harness
+(benchmarks/_harness.py: workers, their order, time limits, reports, summaries).
 
 The harness runs as a user runs it: a parent process that starts one worker process per engine
 and prints a JSON object as its last line. With TRL installed both engines run and must report
@@ -7,10 +8,13 @@ identical settings and full-length completions; without it only our half runs.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PERF = ROOT / "benchmarks" / "perf.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import _harness  # noqa: E402
 import _models  # noqa: E402
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -110,3 +115,85 @@ def test_hash_score_is_deterministic_and_spread():
     scores = [_models.hash_score(f"t{i} t{i + 1}") for i in range(50)]
     assert scores == [_models.hash_score(f"t{i} t{i + 1}") for i in range(50)]
     assert all(0 <= s < 1 for s in scores) and len(set(scores)) > 40
+
+
+# -- the harness every benchmark script shares (benchmarks/_harness.py) ------------------------------------
+
+
+def test_run_worker_reads_the_tagged_line_and_logs_the_rest(tmp_path):
+    """The result is the last tagged stdout line; stderr and the other stdout lines go to the log."""
+    log = tmp_path / "run.log"
+    code = ("import os, sys; print('a progress line'); print('BENCHMARK_RESULT {\"x\": 1}'); "
+            "print('BENCHMARK_RESULT {\"x\": 2, \"launched\": ' + os.environ['BENCHMARK_LAUNCHED_AT'] + '}'); "
+            "print('a warning', file=sys.stderr)")
+    result, error = _harness.run_worker("ours", ["-c", code], timeout=60, log=log)
+    assert error is None and result["x"] == 2 and result["launched"] > 0
+    text = log.read_text()
+    assert text.startswith("--- ours\na warning\n") and "--- ours: stdout\na progress line\n" in text
+    assert text.endswith("--- ours: exit 0\n") and "BENCHMARK_RESULT" not in text
+    _harness.run_worker("trl", ["-c", "pass"], timeout=60, log=log)  # a second worker appends
+    assert log.read_text().startswith(text) and log.read_text().endswith("--- trl: exit 0\n")
+
+
+def test_run_worker_reports_a_failure_with_its_exit_status_and_output_tail(tmp_path):
+    code = "import sys; print('x' * 5000, file=sys.stderr); print('boom', file=sys.stderr); sys.exit(3)"
+    result, error = _harness.run_worker("trl", ["-c", code], timeout=60)  # no log: the output is kept for the error
+    assert result is None
+    head, tail = error.split("\n", 1)
+    assert head == "trl: worker failed (exit 3):"
+    assert tail.endswith("boom\n--- trl: exit 3\n") and len(tail) == _harness.TAIL_CHARS
+    log = tmp_path / "w.log"
+    _, error = _harness.run_worker("w", ["-c", "import sys; sys.exit(1)"], timeout=60, log=log)
+    assert error.startswith(f"w: worker failed (exit 1, log: {log}):\n")
+
+
+def test_run_worker_stops_a_worker_at_its_time_limit(tmp_path):
+    log = tmp_path / "run.log"
+    result, error = _harness.run_worker("ours", ["-c", "import time; print('started', flush=True); time.sleep(60)"],
+                                        timeout=2, log=log)
+    assert result is None and error == f"ours: worker timed out after 2 s (log: {log})"
+    assert log.read_text().endswith("--- ours: stdout\nstarted\n--- ours: killed: timed out\n")
+
+
+def test_worker_env_is_offline_and_finds_the_repository():
+    env = _harness.worker_env(OMP_NUM_THREADS="1")
+    assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT) and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_schedule_alternates_and_rotates():
+    """perf: ours, trl, ours, trl; learning: ours trl, trl ours (by seed); the ablation: arm k first in round k."""
+    assert _harness.schedule(("ours", "trl"), range(2), rotate=False) == [
+        (0, "ours"), (0, "trl"), (1, "ours"), (1, "trl")]
+    assert _harness.schedule(("ours", "trl"), range(2, 4), rotate=True) == [
+        (2, "ours"), (2, "trl"), (3, "trl"), (3, "ours")]
+    assert [arm for _, arm in _harness.schedule(["a", "b", "c"], range(3), rotate=True)] == list("abcbcacab")
+
+
+def test_time_limit_cuts_to_the_deadline_and_skips_under_the_minimum():
+    now = time.time()
+    assert _harness.time_limit(90.0, None) == 90.0
+    assert _harness.time_limit(90.0, now + 1000) == 90.0
+    assert 25.0 < _harness.time_limit(90.0, now + 30) <= 30.0
+    assert _harness.time_limit(90.0, now + 5) is None  # under 10 s left: the caller skips the worker
+
+
+def test_write_report_replaces_the_file_and_leaves_nothing_else(tmp_path):
+    path = tmp_path / "r.json"
+    _harness.write_report(path, {"a": 1})
+    _harness.write_report(path, {"a": 2, "b": [None]})
+    assert json.loads(path.read_text()) == {"a": 2, "b": [None]} and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_summary_helpers_skip_missing_values():
+    assert _harness.median([3.0, None, 1.0, 2.0]) == 2.0 and _harness.median([None]) is None
+    assert _harness.mean([1.0, None, 2.0]) == 1.5 and _harness.mean([]) is None
+    assert _harness.sd([1.0, 3.0]) == pytest.approx(2**0.5)  # sample sd: |a - b| / sqrt(2)
+    assert _harness.sd([1.0, None]) is None
+
+
+def test_versions_and_hardware_describe_the_run():
+    versions = _harness.versions()
+    assert set(versions) == {"python", "torch", "transformers", "peft", "trl", "accelerate"}
+    assert versions["torch"] and versions["trl"] == (importlib.metadata.version("trl") if HAS_TRL else None)
+    assert _harness.hardware("cpu").endswith(f"{os.cpu_count()} logical cores")

@@ -130,3 +130,6 @@ def test_end_to_end_in_worker_processes(tmp_path, capsys):
         assert run["steps"] == 1 and run["spec"]["task_seed"] == 0 and run["spec"]["threads"] == 1
         assert len(run["curves"]["reward"]) == len(run["curves"]["semantic_entropy"]) == len(run["history"]) == 1
     assert (out / "reward_curves.png").stat().st_size > 0
+    for name in ("baseline-seed0", "top_entropy_tokens-seed0"):  # each worker's result and log
+        assert json.loads((out / f"{name}.json").read_text()) in report["runs"]
+        assert f"[{name.replace('-seed', ' seed ')}] after" in (out / f"{name}.log").read_text()

@@ -104,17 +104,21 @@ def test_smoke_run_trains_both_engines_and_reports(tiny_folder, tmp_path, capsys
         assert sum(run["step_s"]) == pytest.approx(run["train_s"])
     ours, trl = report["runs"]["ours"][0], report["runs"]["trl"][0]
     assert ours["settings"] == trl["settings"]  # identical mode: what each engine holds
+    assert last["ours"]["settings"] == ours["settings"] and last["trl"]["settings"] == trl["settings"]
     assert ours["prompt_ids"] == trl["prompt_ids"]
     assert ours["settings"]["completions_per_optimizer_step"] == 4
     assert trl["settings"]["generations_per_optimizer_step"] == 1
+
+
+DEFAULTS = dict(mode="defaults", budget_s=1e-3, num_train=20, num_test=4, eval_subset=2, eval_every_s=0,
+                prompts_per_step=2, group_size=2, max_completion_tokens=4)  # one step each
 
 
 def test_defaults_mode_trains_ours_with_its_own_batch_shape(tiny_folder, tmp_path):
     """--prompts-per-step / --group-size fix TRL's batch; in the defaults mode ours keeps DemoSettings'."""
     from grpo_engine.demo import DemoSettings
 
-    spec = learning.Spec(model=str(tiny_folder), mode="defaults", budget_s=1e-3, num_train=20, num_test=4,
-                         eval_subset=2, eval_every_s=0, prompts_per_step=2, group_size=2, max_completion_tokens=4)
+    spec = learning.Spec(model=str(tiny_folder), **DEFAULTS)
     settings = learning.run_ours(spec, str(tmp_path))["settings"]
     demo = DemoSettings()
     assert (settings["prompts_per_step"], settings["group_size"]) == (demo.prompts_per_step, demo.group_size)
@@ -122,17 +126,38 @@ def test_defaults_mode_trains_ours_with_its_own_batch_shape(tiny_folder, tmp_pat
     assert settings["lr_schedule"] == demo.lr_schedule
     assert settings["aggregation"] == demo.loss_aggregation  # the recipe's loss and advantage
     assert settings["advantage"] == learning._advantage(demo.advantage_std_scope, 1e-6)
+    assert settings["precision"] == "float32" and settings["gradient_checkpointing"] is False
+
+
+def test_defaults_mode_gives_trl_what_its_users_pick_on_a_cpu(tiny_folder, tmp_path):
+    """On the CPU: float32 without autocast, no gradient checkpointing (TRL's defaults turn both on, for a
+    GPU), the demo's 16 training tokens like ours; TRL's own lr, loss, betas, schedule and micro-batch stay."""
+    pytest.importorskip("trl")
+    from grpo_engine.demo import DemoSettings
+
+    spec = learning.Spec(model=str(tiny_folder), **DEFAULTS)
+    settings = learning.run_trl(spec, str(tmp_path))["settings"]
+    assert settings["precision"] == "float32"  # no " + bf16 autocast"
+    assert settings["gradient_checkpointing"] is False
+    assert settings["max_completion_tokens"] == DemoSettings().max_completion_tokens == 16
+    assert (settings["prompts_per_step"], settings["group_size"]) == (2, 2)  # --prompts-per-step / --group-size
+    assert settings["learning_rate"] == learning.TRL_DEFAULTS_LR and settings["lr_schedule"] == "linear"
+    assert settings["aggregation"] == "token" and settings["adam_betas"] == [0.9, 0.999]  # loss_type="dapo"
+    assert settings["micro_batch_size"] == 4  # its default 8, reduced to gcd with B*G = 4
 
 
 def test_first_seed_runs_the_later_seeds_in_the_alternating_order(tmp_path, monkeypatch):
     """--first-seed 2 --seeds 2 runs seeds 2 and 3 only, each in the order a full run gives it."""
     calls = []
 
+    settings = {"prompts_per_step": 2, "group_size": 2, "max_completion_tokens": 16, "precision": "float32",
+                "gradient_checkpointing": False, "learning_rate": 1e-4, "lr_schedule": "linear",
+                "aggregation": "token", "advantage": "z-score, group std + 0.0001", "micro_batch_size": 4}
+
     def fake_worker(engine, spec, out):
         calls.append((spec.seed, engine))
         return {"engine": engine, "seed": spec.seed, "before": 0.25, "after": 0.5 if engine == "ours" else 0.25,
-                "steps": 3, "step_s_mean": 1.0, "train_s": 3.0, "prompt_ids": None,
-                "settings": {"prompts_per_step": 2, "group_size": 2}}, None
+                "steps": 3, "step_s_mean": 1.0, "train_s": 3.0, "prompt_ids": None, "settings": settings}, None
 
     monkeypatch.setattr(learning, "_run_worker", fake_worker)
     monkeypatch.setattr(learning, "plot", lambda *args, **kwargs: None)
@@ -142,7 +167,14 @@ def test_first_seed_runs_the_later_seeds_in_the_alternating_order(tmp_path, monk
     assert calls == [(2, "ours"), (2, "trl"), (3, "trl"), (3, "ours")]
     assert summary["ours"]["seeds"] == [2, 3] and summary["first_seed"] == 2 and summary["seeds"] == 2
     assert summary["delta_after_pts_runs"] == [25.0, 25.0]
-    assert "2 seed(s) from seed 2" in learning._table(summary)
+    assert summary["ours"]["settings"] == summary["trl"]["settings"] == settings
+    table = learning._table(summary)
+    assert "mode defaults (each engine's recommended settings for this hardware)" in table
+    assert "2 seed(s) from seed 2" in table
+    assert ("trl used: 2 prompts x 2 completions, 16 completion tokens, float32, no gradient checkpointing, "
+            "lr 0.0001 linear, token loss aggregation, advantage z-score, group std + 0.0001, micro-batch 4") in table
+    report = json.loads((tmp_path / "report.json").read_text())  # rewritten after each worker: here the last
+    assert [r["seed"] for r in report["runs"]["trl"]] == [2, 3] and report["errors"] == []
 
 
 def test_bad_first_seed_is_refused_with_the_rule(capsys):
