@@ -1,7 +1,7 @@
 """Variants of the demo recipe at a fixed step budget: held-out accuracy every N steps.
 
-The evidence behind the demo's defaults (docs/benchmarks.md, "Evidence for the remaining
-defaults"). Each variant changes fields of ``grpo_engine.demo.DemoSettings`` and trains our engine
+The evidence behind the demo's defaults (docs/benchmarks.md, "The recipe choices"; every sweep in
+docs/lab/recipe-experiments.md). Each variant changes fields of ``grpo_engine.demo.DemoSettings`` and trains our engine
 alone from the base model on the demo task; greedy held-out accuracy (the demo's 24 new tokens)
 is measured every ``--eval-every`` steps. A step budget, not a time budget, so that a shared
 machine does not change what is measured.
