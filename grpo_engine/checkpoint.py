@@ -31,17 +31,21 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["save_pretrained_atomic", "clean_leftovers", "latest_checkpoint", "prune_checkpoints", "Resume",
-           "trainer_state", "restore", "SAFE_CHANGES"]
+__all__ = ["save_pretrained_atomic", "write_text_atomic", "clean_leftovers", "latest_checkpoint", "prune_checkpoints", "Resume",
+           "trainer_state", "restore", "ResumeError", "SAFE_CHANGES"]
 
 STATE_FILE, SUMMARY_FILE = "trainer_state.pt", "trainer_state.json"
 # settings that may change on resume (when named): limits, bookkeeping, and what changes only speed or summation order
 SAFE_CHANGES = frozenset({
     "config.max_steps", "config.max_train_seconds", "config.save_every_steps", "config.keep_last_checkpoints",
     "config.log_every_steps", "config.progress_bar", "config.max_nonfinite_steps", "config.output_dir",
-    "config.reward_timeout_s", "memory.decoding", "memory.micro_batch_size", "memory.logprob_chunk_size",
+    "config.reward_timeout_s", "config.on_reward_error", "memory.decoding", "memory.micro_batch_size", "memory.logprob_chunk_size",
     "memory.logprob_vocab_tile",
 })
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot continue this trainer's run (each reason named)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class Resume:
         object.__setattr__(self, "allow_changes", frozenset(self.allow_changes))
         unsafe = sorted(self.allow_changes - SAFE_CHANGES)
         if unsafe:
-            raise ValueError(f"allow_changes {unsafe} cannot change on resume (they change the run's math); the "
+            raise ResumeError(f"allow_changes {unsafe} cannot change on resume (they change the run's math); the "
                              f"safe ones are {sorted(SAFE_CHANGES)}")
 
 
@@ -144,6 +148,23 @@ def save_pretrained_atomic(model: nn.Module, tokenizer: Any, path: str | Path,
     return path
 
 
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Writes ``text`` to ``path`` through a temporary sibling, fsynced and renamed over it: a reader
+    sees the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_path(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def clean_leftovers(folder: str | Path) -> list[str]:
     """Removes the temporary folders an interrupted save left in ``folder`` and puts back a set-aside
     folder whose replacement never arrived; returns what it did, one line each."""
@@ -159,7 +180,10 @@ def clean_leftovers(folder: str | Path) -> list[str]:
             shutil.rmtree(leftover, ignore_errors=True)
             done.append(f"removed {leftover.name}")
     for leftover in sorted(folder.glob(".tmp-*")):
-        shutil.rmtree(leftover, ignore_errors=True)
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
         done.append(f"removed {leftover.name} (an interrupted save)")
     return done
 
@@ -272,11 +296,11 @@ def _load_weights(model: nn.Module, folder: Path) -> None:
 
         result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
         if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"{folder}: adapter tensors {result.unexpected_keys[:4]} match no layer of this model")
+            raise ResumeError(f"{folder}: adapter tensors {result.unexpected_keys[:4]} match no layer of this model")
         return
     shards = sorted(folder.glob("model*.safetensors"))
     if not shards:
-        raise ValueError(f"{folder} holds no adapter_model.safetensors nor model*.safetensors; it is not a checkpoint "
+        raise ResumeError(f"{folder} holds no adapter_model.safetensors nor model*.safetensors; it is not a checkpoint "
                          "of this trainer")
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
@@ -286,7 +310,7 @@ def _load_weights(model: nn.Module, folder: Path) -> None:
     untied = [k for k in missing if dict(model.named_parameters()).get(k) is None
               or dict(model.named_parameters())[k].data_ptr() not in loaded]
     if unexpected or untied:
-        raise ValueError(f"{folder}: the weights do not fit this model (missing {untied[:4]}, unexpected "
+        raise ResumeError(f"{folder}: the weights do not fit this model (missing {untied[:4]}, unexpected "
                          f"{unexpected[:4]}); resume with the model the run was started from")
 
 
@@ -296,7 +320,7 @@ def restore(trainer: Any, resume: Resume) -> Path:
 
     Raises:
         FileNotFoundError: no checkpoint there.
-        ValueError: a setting or component differs from the saved run's (each one named).
+        ResumeError: a setting or component differs from the saved run's (each one named).
     """
     output_dir = Path(trainer.config.output_dir)
     clean_leftovers(output_dir)
@@ -308,10 +332,10 @@ def restore(trainer: Any, resume: Resume) -> Path:
     summary = json.loads((folder / SUMMARY_FILE).read_text())
     problems = _differences(summary, run_description(trainer), resume.allow_changes)
     if problems:
-        raise ValueError(f"cannot resume from {folder}: " + "; ".join(problems))
+        raise ResumeError(f"cannot resume from {folder}: " + "; ".join(problems))
     state = torch.load(folder / STATE_FILE, weights_only=False)  # our own file, written by trainer_state()
     if len(state["callbacks"]) != len(trainer.callbacks):
-        raise ValueError(f"{folder} was saved with {len(state['callbacks'])} callbacks, the trainer has "
+        raise ResumeError(f"{folder} was saved with {len(state['callbacks'])} callbacks, the trainer has "
                          f"{len(trainer.callbacks)}; pass the same callbacks in the same order")
     _load_weights(trainer.model, folder)
     trainer.optimizer.load_state_dict(state["optimizer"])

@@ -59,7 +59,13 @@ def _train_help() -> str:
     return "\n".join([
         "The YAML file holds: model, train_prompts, rewards, and optionally advantage, loss, template,",
         "sampler, entropy, callbacks (components: {class: import.path, **kwargs}), config (GRPOConfig)",
-        "and memory (MemoryPlan).",
+        "and memory (MemoryPlan).", "",
+        "Trust: an import path runs code. A run file may call grpo_engine.* freely, and anything else only",
+        "under a module it lists in 'imports:' (e.g. imports: [my_rewards]); read that code before running a",
+        "run file someone shared.", "",
+        "Resume: 'grpo-engine train run.yaml --resume' continues the run in config.output_dir from its",
+        "newest checkpoint (config.save_every_steps), bit for bit; a changed setting is refused by name,",
+        "and the safe ones (config.max_steps, ...) may change with --allow-change FIELD.",
         "Print a complete example with: grpo-engine example-config", "",
         "config options:", _options(GRPOConfig, "config."), "",
         "memory options:", _options(MemoryPlan, "memory."), "",
@@ -67,9 +73,12 @@ def _train_help() -> str:
     ])
 
 
-def _train(path: str) -> int:
+def _train(args: argparse.Namespace) -> int:
+    from grpo_engine import checkpoint
+    from grpo_engine.data import DataError
     from grpo_engine.spec import RunSpec, build, format_validation_error
 
+    path = args.config
     try:
         spec = RunSpec.from_yaml(path)
     except FileNotFoundError:
@@ -78,26 +87,64 @@ def _train(path: str) -> int:
     except ValidationError as exc:
         print(f"error: {path}: {format_validation_error(exc)}", file=sys.stderr)
         return 2
+    out = Path(spec.config.output_dir)
+    problem = _resume_problem(spec, out) if args.resume else _used_problem(out)
+    if args.allow_change and not args.resume:
+        problem = "--allow-change only applies with --resume"
+    if problem:  # refused before anything is loaded or written
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     from grpo_engine.trainer import GRPOTrainer
 
     prompts = build(spec.train_prompts)
     if isinstance(prompts, tuple) and len(prompts) == 2:
         prompts = prompts[0]
-    trainer = GRPOTrainer(
-        spec.model, [build(r) for r in spec.rewards], prompts, config=spec.config, memory=spec.memory,
-        advantage=build(spec.advantage) if spec.advantage else None,
-        loss=build(spec.loss) if spec.loss else None,
-        template=build(spec.template) if spec.template else None,
-        sampler=build(spec.sampler) if spec.sampler else None,
-        entropy=build(spec.entropy) if spec.entropy else None,
-        callbacks=[build(c) for c in spec.callbacks],
-    )
-    out = Path(spec.config.output_dir)
+    try:
+        trainer = GRPOTrainer(
+            spec.model, [build(r) for r in spec.rewards], prompts, config=spec.config, memory=spec.memory,
+            advantage=build(spec.advantage) if spec.advantage else None,
+            loss=build(spec.loss) if spec.loss else None,
+            template=build(spec.template) if spec.template else None,
+            sampler=build(spec.sampler) if spec.sampler else None,
+            entropy=build(spec.entropy) if spec.entropy else None,
+            callbacks=[build(c) for c in spec.callbacks],
+            resume_from=checkpoint.Resume("latest", frozenset(args.allow_change)) if args.resume else None,
+        )
+    except (DataError, checkpoint.ResumeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
-    spec.to_yaml(out / "run.yaml")
+    checkpoint.write_text_atomic(out / "run.yaml", spec.to_yaml())  # only once every check has passed
+    if trainer.resumed_from is not None:
+        print(f"resuming from {trainer.resumed_from} (step {trainer.step_count})")
     trainer.train()
     print(f"saved to {out / 'final'}; metrics in {out / 'metrics.jsonl'}")
     return 0
+
+
+def _used_problem(out: Path) -> str | None:
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        return (f"output_dir={str(out)!r} already holds a run (metrics.jsonl); continue it with --resume, or choose "
+                "another config.output_dir")
+    return None
+
+
+def _resume_problem(spec: Any, out: Path) -> str | None:
+    """Why ``spec`` cannot continue the run in ``out``: components that differ from its run.yaml (the
+    trainer checks the config and memory settings itself, when it restores)."""
+    from grpo_engine.spec import RunSpec
+
+    saved_file = out / "run.yaml"
+    if not saved_file.is_file():
+        return None  # the trainer says whether there is a checkpoint to resume
+    saved = RunSpec.from_yaml(saved_file).model_dump(mode="json", exclude={"config", "memory"})
+    now = spec.model_dump(mode="json", exclude={"config", "memory"})
+    changed = [key for key in now if now[key] != saved.get(key)]
+    if changed:
+        return (f"cannot resume the run in {out}: {', '.join(changed)} differ from its run.yaml; resume with the "
+                "saved run file (cp run.yaml), or start a new run in another output_dir")
+    return None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -257,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train from a YAML run file", description=_train_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", help="path to the YAML run file")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in config.output_dir from its newest checkpoint, exactly")
+    train.add_argument("--allow-change", action="append", default=[], metavar="FIELD",
+                       help="with --resume: a safe setting that may differ from the saved run, e.g. "
+                       "config.max_steps (repeat for several)")
     _add_eval_parser(sub)
     _add_plan_parser(sub)
     from grpo_engine.demo import DemoSettings
@@ -277,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``grpo-engine`` console script."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        return _train(args.config)
+        return _train(args)
     if args.command == "eval":
         return _eval(args)
     if args.command == "demo":

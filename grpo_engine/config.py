@@ -93,7 +93,12 @@ class GRPOConfig(FrozenModel):
     updates_per_batch: int = Field(
         1, description="mu: policy updates on one rollout batch (1 = strictly on-policy, no old-logprob pass)."
     )
-    max_prompt_tokens: int = Field(512, description="Prompts longer than this are cut from the left.")
+    max_prompt_tokens: int = Field(512, description="Longest rendered prompt; a longer one follows overlong_prompts.")
+    overlong_prompts: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="A training prompt over max_prompt_tokens: 'truncate' (lose the middle of the "
+        "question, keep the chat template's head; warned, counted in prompts/truncated), 'drop' (removed when the "
+        "trainer is built, with a warning) or 'error' (the trainer refuses to start, naming each one)."
+    )
     max_completion_tokens: int = Field(256, description="Sampling stops here; such completions are 'truncated'.")
     max_steps: int = Field(100, description="Optimizer steps to run.")
     max_train_seconds: float | None = Field(
@@ -107,6 +112,16 @@ class GRPOConfig(FrozenModel):
     )
     top_p: float = Field(1.0, description="Nucleus sampling mass (1.0 = off).")
     top_k: int = Field(0, description="Top-k sampling (0 = off).")
+
+    # -- rewards -----------------------------------------------------------------------------
+    reward_timeout_s: float | None = Field(
+        120.0, description="A reward that has not scored a step's batch after this many seconds fails "
+        "(RewardTimeout; null = wait forever)."
+    )
+    on_reward_error: Literal["raise", "zero"] = Field(
+        "raise", description="A reward that fails or times out: 'raise' stops the run with its error; 'zero' scores "
+        "the failing samples 0 and counts them in reward/<name>/errors."
+    )
 
     # -- optimisation ------------------------------------------------------------------------
     learning_rate: float = Field(1e-5, description="Peak learning rate (LoRA usually wants ~1e-4, full ~1e-6).")
@@ -162,6 +177,7 @@ GRPOConfig.field_rules = {
     "adam_eps": (lambda v: v > 0, "must be > 0", "use 1e-8"),
     "max_grad_norm": (lambda v: v is None or v > 0, "must be > 0", "use null to turn clipping off"),
     "max_train_seconds": (lambda v: v is None or v > 0, "must be > 0", "use null for no time limit"),
+    "reward_timeout_s": (lambda v: v is None or v > 0, "must be > 0", "use e.g. 120, or null to wait forever"),
     "save_every_steps": (lambda v: v is None or v >= 1, "must be >= 1", "use null to save only at the end"),
     "keep_last_checkpoints": (lambda v: v is None or v >= 1, "must be >= 1", "use null to keep every checkpoint"),
 }

@@ -116,4 +116,6 @@ def rollout_metrics(batch: RolloutBatch, rewards: RewardOutput) -> dict[str, flo
     for name, scores in rewards.breakdown.items():
         metrics[f"reward/{name}/mean"] = scores.float().mean().item()
         metrics[f"reward/{name}/std"] = scores.float().std().item() if scores.numel() > 1 else 0.0
+    for name, count in rewards.errors.items():  # samples scored 0 because their reward failed (on_reward_error)
+        metrics[f"reward/{name}/errors"] = float(count)
     return metrics

@@ -11,8 +11,9 @@ MemoryPlan). Components (``train_prompts``, ``rewards``; optional ``advantage``,
     config: {prompts_per_step: 4, group_size: 8}
     memory: {lora: {r: 16}, micro_batch_size: 8}
 
-The CLI builds the objects; the core only ever sees objects. Import paths in a YAML file are code the
-user chose to run, like any Python script; model output is never executed.
+The CLI builds the objects; the core only ever sees objects. An import path runs code: a run file may
+name ``grpo_engine.*`` freely, and anything else only under a module listed in ``imports:`` (read that
+code before running a file someone shared). Model output is never executed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pydantic import Field, ValidationError, model_validator
 from grpo_engine.config import FrozenModel, GRPOConfig
 from grpo_engine.memory.plan import MemoryPlan
 
-__all__ = ["ComponentSpec", "RunSpec", "build", "format_validation_error"]
+__all__ = ["ComponentSpec", "RunSpec", "build", "format_validation_error", "trusted"]
 
 
 class ComponentSpec(FrozenModel):
@@ -73,6 +74,28 @@ class RunSpec(FrozenModel):
     callbacks: list[ComponentSpec] = Field(default_factory=list, description="Callbacks (grpo_engine.callbacks).")
     config: GRPOConfig = Field(default_factory=GRPOConfig, description="Numbers and switches (GRPOConfig).")
     memory: MemoryPlan = Field(default_factory=MemoryPlan, description="Memory plan (MemoryPlan).")
+    imports: list[str] = Field(
+        default_factory=list, description="Modules outside grpo_engine whose classes and functions this file may "
+        "call, e.g. [my_rewards]; their code runs, so read it before running a shared file.")
+
+    @model_validator(mode="after")
+    def _trusted(self) -> RunSpec:
+        outside = [c.target for c in self.components() if not trusted(c.target, self.imports)]
+        if outside:
+            raise ValueError(f"{outside} are outside grpo_engine and not under a module listed in 'imports:'; an "
+                             "import path runs that module's code: read it, then add its module to 'imports:' "
+                             f"(e.g. imports: [{outside[0].rpartition('.')[0]}])")
+        return self
+
+    def components(self) -> list[ComponentSpec]:
+        """Every component of the file, in order."""
+        single = [self.train_prompts, self.advantage, self.loss, self.template, self.sampler, self.entropy]
+        return [c for c in [*single, *self.rewards, *self.callbacks] if c is not None]
+
+
+def trusted(target: str, imports: list[str]) -> bool:
+    """Whether ``target`` is under ``grpo_engine`` or under one of the ``imports`` modules."""
+    return any(target.startswith(module + ".") for module in ("grpo_engine", *imports))
 
 
 def build(spec: ComponentSpec) -> Any:

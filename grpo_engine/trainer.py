@@ -28,6 +28,7 @@ from grpo_engine import checkpoint, guards
 from grpo_engine.advantages import GroupNormalized
 from grpo_engine.callbacks import Callback, TrainerControl, TrainerState
 from grpo_engine.config import GRPOConfig, lr_factor
+from grpo_engine.data.checks import check_prompts
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.data.templates import PromptTemplate
 from grpo_engine.eval import evaluate
@@ -120,12 +121,12 @@ class GRPOTrainer:
             raise ValueError("a model object needs its tokenizer: pass GRPOTrainer(model, ..., tokenizer=tokenizer)")
         self.tokenizer, self.template = tokenizer, template
         self.model = prepare_model(model, memory)
-        self.rewards = rewards if isinstance(rewards, WeightedSum) else WeightedSum(list(rewards))
-        self.prompts: PromptSource = prompts if isinstance(prompts, PromptSource) else PromptStream(
-            list(prompts), config.prompts_per_step, seed=config.seed)
+        self.rewards = (rewards if isinstance(rewards, WeightedSum) else WeightedSum(list(rewards))).configured(
+            timeout_s=config.reward_timeout_s, on_error=config.on_reward_error)
         self.advantage = advantage if advantage is not None else GroupNormalized()
         self.loss = loss if loss is not None else ClippedSurrogate()
         self.entropy = entropy
+        default = None
         if sampler is None or isinstance(sampler, SamplerWrapper):
             default = HFSampler(
                 self.model, tokenizer, template=template, max_prompt_tokens=config.max_prompt_tokens,
@@ -134,8 +135,10 @@ class GRPOTrainer:
                 merge_lora=memory.merge_lora_for_sampling, decoding=memory.decoding,
                 return_logprobs=self.loss.requires.sampler_logprobs or bool(
                     entropy is not None and entropy.requires_sampler_logprobs))
-            sampler = default if sampler is None else sampler.bind(default, self.rewards, self.prompts)
-        self.sampler: Sampler = sampler
+        self.prompts: PromptSource = self._checked_prompts(prompts, default if default is not None else sampler)
+        if isinstance(sampler, SamplerWrapper):
+            sampler = sampler.bind(default, self.rewards, self.prompts)
+        self.sampler: Sampler = sampler if sampler is not None else default
         needs_reference = self.loss.requires.ref_logprobs or self.rewards.requires.ref_logprobs
         self.reference = ReferencePolicy(self.model, memory) if needs_reference else None
         self.callbacks = list(callbacks)
@@ -283,6 +286,23 @@ class GRPOTrainer:
         return saved
 
     # -- the stages' helpers -------------------------------------------------------------------
+
+    def _checked_prompts(self, prompts: Sequence[Prompt] | PromptSource, sampler: Any) -> PromptSource:
+        """The prompt source, once every training prompt passed ``check_prompts`` (targets the rewards
+        can score, duplicates warned, over-long prompts by ``config.overlong_prompts``)."""
+        cfg = self.config
+        given = list(prompts) if not isinstance(prompts, PromptSource) else list(getattr(prompts, "prompts", ()))
+        length = getattr(sampler, "prompt_tokens", None)
+        kept = check_prompts(given, self.rewards.check, max_prompt_tokens=cfg.max_prompt_tokens,
+                             prompt_length=(lambda p: len(length(p))) if callable(length) else None,
+                             overlong=cfg.overlong_prompts)
+        if not isinstance(prompts, PromptSource):
+            return PromptStream(kept, cfg.prompts_per_step, seed=cfg.seed)
+        if len(kept) != len(given):
+            raise ValueError(f"overlong_prompts='drop' would drop {len(given) - len(kept)} prompts of the "
+                             f"{type(prompts).__name__} given, which cannot lose prompts once built; pass the prompts "
+                             "as a list, or filter them before building it")
+        return prompts
 
     def _count_skipped(self, problem: str | None) -> None:
         """Counts a skipped step, explains it, and stops the run after ``max_nonfinite_steps`` in a row."""

@@ -65,6 +65,16 @@ class Prompt:
         users = [m["content"] for m in self.content if m.get("role") == "user"]
         return users[-1] if users else self.content[-1]["content"]
 
+    @property
+    def location(self) -> str:
+        """Where the prompt came from, for messages: ``file:line`` or ``file[index]`` when a loader
+        recorded it, else the start of the question."""
+        meta = self.metadata
+        if "source" in meta and ("line" in meta or "index" in meta):
+            return f"{meta['source']}:{meta['line']}" if "line" in meta else f"{meta['source']}[{meta['index']}]"
+        question = self.question
+        return f"prompt {question[:40]!r}" + ("..." if len(question) > 40 else "")
+
 
 @dataclass(frozen=True)
 class RolloutBatch:
@@ -173,10 +183,12 @@ class RewardOutput:
     Attributes:
         total: [B, G] the weighted combination that advantages are computed from.
         breakdown: reward name -> [B, G] unweighted scores of each component, for logging.
+        errors: reward name -> samples whose scoring failed and were scored 0 (``on_reward_error="zero"``).
     """
 
     total: Tensor  # [B, G]
     breakdown: Mapping[str, Tensor] = field(default_factory=dict)  # name -> [B, G]
+    errors: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ template: {{class: grpo_engine.data.PlainTemplate, format: "{{question}}="}}
 config: {{prompts_per_step: 2, group_size: 3, max_completion_tokens: 6, max_steps: 2, output_dir: {out},
           progress_bar: false}}
 memory: {{lora: {{r: 2, alpha: 4}}, micro_batch_size: 4}}
+imports: [tests]
 """)
     assert main(["train", str(path)]) == 0
     lines = (out / "metrics.jsonl").read_text().splitlines()

@@ -194,6 +194,16 @@ def test_unparseable_target_is_an_error():
         MathAccuracy()([Prompt("q", target="")], ["12"])
 
 
+@pytest.mark.parametrize(("target", "problem"), [
+    ("12", None), ("1,000", None), ("\\frac{1}{2}", None), ("\\text{east}", None), ("sin(x)", None),
+    ("x^2+1", None), ("hello world", "target 'hello world' is words, not a math answer"),
+    ("", "math-verify cannot parse target ''"), (None, "no target (the reference answer)"),
+])
+def test_math_accuracy_checks_targets_before_training(target, problem):
+    found = MathAccuracy().check(Prompt("q", target=target))
+    assert found == problem if problem is None else found.startswith(problem)
+
+
 def test_extract_answer():
     assert extract_answer("<answer>1</answer> <answer> 2 </answer>") == "2"
     assert extract_answer(r"\boxed{\frac{1}{2}} then \boxed{3}") == "3"

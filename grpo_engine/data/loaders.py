@@ -5,7 +5,9 @@ skipped, or a ``.json`` list of objects; ``target`` is the answer field, optiona
 ``answer_fn``; ``metadata`` holds the source, the record's location and its other fields),
 ``gsm8k_final_answer`` (text after the last ``####``, thousands commas removed), ``load_gsm8k``
 (a local openai/grade-school-math JSONL file, or the hub's ``openai/gsm8k`` when no path is
-given) and ``load_math500``. Every problem raises ``DataError`` naming the file and line.
+given) and ``load_math500``. Every bad record (not UTF-8, not JSON, a missing or empty question or
+answer, an answer that is not a string or a number) is reported at once, in one ``DataError``
+naming each file and line.
 """
 
 from __future__ import annotations
@@ -25,6 +27,26 @@ Location = tuple[str, dict[str, Any]]  # ("file.jsonl:3", {"source": "file.jsonl
 
 class DataError(ValueError):
     """A data file, record or data-package argument that cannot be used as given."""
+
+
+class _Bad:
+    """A record a reader could not read (the problem, at its location)."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+MAX_LISTED = 20  # problems listed in one DataError; the rest are counted
+
+
+def data_error(problems: list[str], source: str, fix: str = "") -> DataError:
+    """One error listing every problem (the first ``MAX_LISTED``), each with its file and line; a lone
+    problem without ``fix`` is the message itself."""
+    if len(problems) == 1 and not fix:
+        return DataError(problems[0])
+    more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+    return DataError(f"{source}: {len(problems)} bad record(s){'; ' + fix if fix else ''}:\n  "
+                     + "\n  ".join(problems[:MAX_LISTED]) + more)
 
 
 def load_jsonl_prompts(
@@ -165,19 +187,32 @@ def _read_records(path: Path, name: str) -> Iterator[tuple[Any, Location]]:
 
 
 def _read_jsonl(path: Path, name: str) -> Iterator[tuple[Any, Location]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = (f"{name}:{lineno}", {"source": name, "line": lineno})
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield _Bad(f"{name}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                           "save the file as UTF-8"), where
+                continue
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{name}:{lineno}: not valid JSON ({err})") from err
-            yield record, (f"{name}:{lineno}", {"source": name, "line": lineno})
+                yield _Bad(f"{name}:{lineno}: not valid JSON ({err})"), where
+                continue
+            yield record, where
 
 
 def _read_json(path: Path, name: str) -> Iterator[tuple[Any, Location]]:
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise DataError(f"{name}:{line}: not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8") from err
     if not text.strip():
         return iter(())
     try:
@@ -202,10 +237,17 @@ def _to_prompts(
 ) -> list[Prompt]:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise DataError(f"limit={limit!r} must be a positive int, or None to read every record")
-    prompts = [
-        _to_prompt(record, where, meta, question_field, answer_field, answer_fn)
-        for record, (where, meta) in islice(records, limit)
-    ]
+    prompts, problems = [], []
+    for record, (where, meta) in islice(records, limit):
+        if isinstance(record, _Bad):
+            problems.append(record.problem)
+            continue
+        try:
+            prompts.append(_to_prompt(record, where, meta, question_field, answer_field, answer_fn))
+        except DataError as err:
+            problems.append(str(err))
+    if problems:
+        raise data_error(problems, source)
     if not prompts:
         raise DataError(f"{source}: no records found (empty file or empty list); check the path")
     return prompts
@@ -238,11 +280,19 @@ def _to_prompt(
         )
     target = None
     if answer_field is not None:
-        answer = str(record[answer_field])
+        value = record[answer_field]
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise DataError(f"{where}: {answer_field!r} must be a string or a number, got {type(value).__name__} "
+                            f"{str(value)[:60]!r}; fix the record or pass answer_field=... to name the answer field")
+        answer = str(value)
+        if not answer.strip():
+            raise DataError(f"{where}: {answer_field!r} is empty; every record needs its reference answer")
         try:
             target = answer_fn(answer) if answer_fn is not None else answer
         except DataError as err:
             raise DataError(f"{where}: {err}") from err
+        if not str(target).strip():
+            raise DataError(f"{where}: the reference answer is empty after {answer_fn.__name__}; fix the record")
     skip = {question_field, answer_field}
     extra = {k: v for k, v in record.items() if k not in skip}
     return Prompt(question, target=target, metadata={**extra, **meta})

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from functools import lru_cache
@@ -19,12 +20,28 @@ from typing import Any
 
 from math_verify import parse, verify
 
-__all__ = ["answers_equal", "boxed_contents", "extract_answer", "final_answer", "last_number", "parse_answer",
-           "verify_parsed"]
+__all__ = ["ShortLogs", "answers_equal", "boxed_contents", "extract_answer", "final_answer", "last_number",
+           "parse_answer", "verify_parsed", "MAX_CHARS"]
 
-_BOXED = "\\boxed{"
 TIMEOUT_SECONDS = 5
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BRACES = re.compile(r"\\boxed\{|[{}]")  # box openings and braces, found in one linear scan
+MAX_CHARS = 4096  # the final answer is read from the last this many characters of a completion
+
+
+class ShortLogs(logging.Filter):
+    """Cuts a log message to 300 characters (math-verify quotes whole answers in its timeout errors)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if len(message) > 300:
+            record.msg, record.args = message[:300] + " ... [cut]", None
+        return True
+
+
+# a logger's filters see only its own records, so every math-verify module's logger gets one
+for _name in ("math_verify", "math_verify.parser", "math_verify.grader", "math_verify.metric", "math_verify.utils",
+              "math_verify.tasks", "latex2sympy2_extended.math_normalization"):
+    logging.getLogger(_name).addFilter(ShortLogs())
 _NUMBER = re.compile(
     r"\\d?frac\{-?\d+\}\{-?\d+\}"  # \frac{1}{2}, \dfrac{3}{4}
     r"|-?\d{1,3}(?:,\d{3})+(?:\.\d+)?"  # 1,000 and 12,345.5
@@ -49,10 +66,11 @@ def _timeout() -> int | None:
 
 
 def _answer_span(completion: str) -> str | None:
-    """Stripped content of the last answer tag, else of the last box; None when neither."""
-    tags = _ANSWER_TAG.findall(completion)
-    if tags:
-        return tags[-1].strip()
+    """Stripped content of the last answer tag, else of the last box; None when neither. Linear time."""
+    end = completion.rfind("</answer>")
+    start = completion.rfind("<answer>", 0, end) if end != -1 else -1
+    if start != -1:
+        return completion[start + len("<answer>"):end].strip()
     boxes = boxed_contents(completion)
     if boxes:
         return boxes[-1].strip()
@@ -131,7 +149,7 @@ def answers_equal(a: str, b: str) -> bool:
     return verify_parsed(parse_answer(a), parse_answer(b))
 
 
-def final_answer(completion: str) -> str | None:
+def final_answer(completion: str, max_chars: int = MAX_CHARS) -> str | None:
     """A completion's final answer by ``MathAccuracy``'s rule, or None.
 
     The content of the last ``<answer>`` tag, else of the last ``\\boxed{}``, else the last
@@ -143,6 +161,7 @@ def final_answer(completion: str) -> str | None:
         >>> final_answer("<answer> </answer> 12") is None
         True
     """
+    completion = completion[-max_chars:]  # bounded work and log lines, whatever the completion's length
     span = _answer_span(completion)
     if span is None:
         span = last_number(completion)
@@ -165,19 +184,17 @@ def boxed_contents(text: str) -> list[str]:
         >>> boxed_contents(r"so \\boxed{\\frac{1}{2}} or \\boxed{3")
         ['\\\\frac{1}{2}']
     """
-    found: list[str] = []
-    start = text.find(_BOXED)
-    while start != -1:
-        begin = start + len(_BOXED)
-        depth = 1
-        pos = begin
-        while pos < len(text) and depth:
-            if text[pos] == "{":
-                depth += 1
-            elif text[pos] == "}":
-                depth -= 1
-            pos += 1
-        if depth == 0:
-            found.append(text[begin : pos - 1])
-        start = text.find(_BOXED, begin)
-    return found
+    found: list[tuple[int, str]] = []
+    open_boxes: list[tuple[int, int]] = []  # (content start, brace depth inside the box)
+    depth = 0
+    for match in _BRACES.finditer(text):  # one pass: linear however many boxes never close
+        if match.group() == "}":
+            if open_boxes and open_boxes[-1][1] == depth:
+                begin, _ = open_boxes.pop()
+                found.append((begin, text[begin:match.start()]))
+            depth -= 1
+        else:  # "{" or a box opening
+            depth += 1
+            if match.group() != "{":
+                open_boxes.append((match.end(), depth))
+    return [content for _, content in sorted(found)]

@@ -110,6 +110,11 @@ class Reward:
             "(or score_batch(self, prompts, completions) -> list[float])"
         )
 
+    def check(self, prompt: Prompt) -> str | None:
+        """Why this reward cannot score ``prompt`` (e.g. its target is missing), or None; the trainer
+        checks every training prompt when it is built. Override it for a reward with requirements."""
+        return None
+
     def score_batch(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
         """Scores N completions; override for vectorised scoring (a model-based judge...).
 
@@ -168,6 +173,8 @@ class Reward:
     ) -> list[Any]:
         try:
             scores = list(self.score_batch(prompts, completions))
+        except RewardError:
+            raise  # already names the reward and the sample
         except Exception as exc:
             raise RewardError(
                 f"reward {self.name!r} ({type(self).__name__}.score_batch) raised "

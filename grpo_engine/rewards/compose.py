@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from collections.abc import Sequence
 from typing import Literal, get_args
 
@@ -27,10 +28,42 @@ from torch import Tensor
 
 from grpo_engine.ops.groups import group_zscore
 from grpo_engine.protocols import RewardFn, RewardTransform
-from grpo_engine.rewards.base import RewardError
-from grpo_engine.types import Requirements, RewardOutput, RolloutBatch
+from grpo_engine.rewards.base import Reward, RewardError
+from grpo_engine.types import Prompt, Requirements, RewardOutput, RolloutBatch
 
-__all__ = ["WeightedSum"]
+__all__ = ["WeightedSum", "RewardTimeout"]
+
+
+class RewardTimeout(RewardError):
+    """A reward did not return within the per-batch timeout."""
+
+
+def _within(run, timeout_s: float | None, name: str, n: int):
+    """``run()``, in a worker thread when ``timeout_s`` is set; raises :class:`RewardTimeout` after it
+    (the thread cannot be stopped: it finishes, or not, in the background)."""
+    if timeout_s is None:
+        return run()
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = run()
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout(f"reward {name!r} did not return within {timeout_s:g} s on a batch of {n} completions "
+                            "(it keeps running in the background); make it faster, raise "
+                            "GRPOConfig.reward_timeout_s, or set on_reward_error='zero' to score such batches 0")
+    if "error" in box:
+        error = box["error"]
+        if isinstance(error, RewardError):
+            raise error
+        raise RewardError(f"reward {name!r} raised {type(error).__name__}: {error}") from error
+    return box["value"]
 
 Normalize = Literal["after_sum", "each"]
 
@@ -55,7 +88,8 @@ class WeightedSum:
         ('math_accuracy', 'think_answer_format', 'overlong_penalty')
     """
 
-    def __init__(self, rewards: Sequence[RewardFn | RewardTransform], *, normalize: Normalize = "after_sum") -> None:
+    def __init__(self, rewards: Sequence[RewardFn | RewardTransform], *, normalize: Normalize = "after_sum",
+                 timeout_s: float | None = None, on_error: Literal["raise", "zero"] = "raise") -> None:
         self.transforms: tuple[RewardTransform, ...] = tuple(r for r in rewards if isinstance(r, RewardTransform))
         rewards = tuple(r for r in rewards if not isinstance(r, RewardTransform))
         if not rewards:
@@ -95,6 +129,27 @@ class WeightedSum:
             seen[name] = reward
         self.rewards: tuple[RewardFn, ...] = rewards
         self.normalize: Normalize = normalize
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"WeightedSum: on_error={on_error!r} must be 'raise' (stop the run) or 'zero' (score a "
+                             "failing sample 0 and count it in reward/<name>/errors)")
+        self.timeout_s, self.on_error = timeout_s, on_error
+
+    def configured(self, *, timeout_s: float | None, on_error: str) -> WeightedSum:
+        """The same rewards and transforms with another timeout and error policy."""
+        return WeightedSum([*self.rewards, *self.transforms], normalize=self.normalize, timeout_s=timeout_s,
+                           on_error=on_error)
+
+    def check(self, prompts: Sequence[Prompt]) -> list[str]:
+        """Every problem the rewards find with the prompts' targets (``Reward.check``), one line each,
+        with the record's file and line where the prompt has them."""
+        problems = []
+        for reward in self.rewards:
+            check = getattr(reward, "check", None)
+            for prompt in prompts if callable(check) else ():
+                problem = check(prompt)
+                if problem:
+                    problems.append(f"{prompt.location}: {reward.name}: {problem}")
+        return problems
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -141,19 +196,38 @@ class WeightedSum:
             )
         total = torch.zeros(b, g, dtype=torch.float32)
         breakdown: dict[str, Tensor] = {}
+        errors: dict[str, int] = {}
         for reward in self.rewards:
-            score_rollout = getattr(reward, "score_rollout", None)
-            if callable(score_rollout):
-                raw = score_rollout(batch)
-            else:
-                raw = reward(batch.row_prompts, batch.texts)
-            scores = self._checked(reward, raw, b * g)
+            scores, errors[reward.name] = self._scores(reward, batch)
             scores = scores.to(device=total.device, dtype=torch.float32).view(b, g)
             breakdown[reward.name] = scores
             if self.normalize == "each":
                 scores = group_zscore(scores, 1e-6, "WeightedSum")
             total = total + float(reward.weight) * scores
-        return RewardOutput(total=total, breakdown=breakdown)
+        return RewardOutput(total=total, breakdown=breakdown, errors=errors)
+
+    def _scores(self, reward: RewardFn, batch: RolloutBatch) -> tuple[Tensor, int]:
+        """[N] checked scores of one reward and how many samples failed (``on_error="zero"``: scored 0)."""
+        n = batch.num_completions
+        score_rollout = getattr(reward, "score_rollout", None)
+        run = (lambda: score_rollout(batch)) if callable(score_rollout) else (
+            lambda: reward(batch.row_prompts, batch.texts))
+        try:
+            return self._checked(reward, _within(run, self.timeout_s, reward.name, n), n), 0
+        except RewardError as error:
+            if self.on_error == "raise":
+                raise
+            if isinstance(error, RewardTimeout) or callable(score_rollout):
+                return torch.zeros(n), n  # nothing to keep: the whole batch scores 0
+        scores, failed = torch.zeros(n), 0  # one failing sample: score the others one by one
+        for i in range(n):
+            try:
+                one = _within(lambda i=i: reward([batch.row_prompts[i]], [batch.texts[i]]), self.timeout_s,
+                              reward.name, 1)
+                scores[i] = self._checked(reward, one, 1)[0]
+            except RewardError:
+                failed += 1
+        return scores, failed
 
     @staticmethod
     def _checked(reward: RewardFn, scores: object, n: int) -> Tensor:

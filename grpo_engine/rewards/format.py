@@ -22,7 +22,6 @@ __all__ = ["BoxedFormat", "ThinkAnswerFormat", "boxed_contents"]
 
 _THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-_BOXED = "\\boxed{"
 
 
 class ThinkAnswerFormat(Reward):

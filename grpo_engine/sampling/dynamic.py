@@ -17,7 +17,7 @@ DynamicSampling(...))`` binds it to the trainer's sampler, rewards and prompt so
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -108,7 +108,7 @@ def select_groups(batch: RolloutBatch, rewards: RewardOutput | None, groups: Ten
     rows = (groups[:, None] * g + torch.arange(g)[None, :]).flatten()
     logprobs = batch.sampler_logprobs
     pick = lambda r: None if r is None else RewardOutput(  # noqa: E731
-        total=r.total[groups], breakdown={k: v[groups] for k, v in r.breakdown.items()})
+        total=r.total[groups], breakdown={k: v[groups] for k, v in r.breakdown.items()}, errors=r.errors)
     picked = RolloutBatch(
         prompts=tuple(batch.prompts[i] for i in groups.tolist()), group_size=g,
         prompt_ids=batch.prompt_ids[rows], prompt_mask=batch.prompt_mask[rows],
@@ -152,10 +152,19 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         trained_groups=None if all(b.trained_groups is None for b in batches) else torch.cat(
             [b.trained_groups if b.trained_groups is not None else torch.ones(b.num_prompts, dtype=torch.bool)
              for b in batches]),
-        metrics=MappingProxyType({k: v for b in batches for k, v in b.metrics.items()}),
+        metrics=MappingProxyType(_summed([b.metrics for b in batches])),  # counts of every round drawn
     )
 
 
 def _concat_rewards(parts: Sequence[RewardOutput]) -> RewardOutput:
     return RewardOutput(total=torch.cat([p.total for p in parts]),
-                        breakdown={k: torch.cat([p.breakdown[k] for p in parts]) for k in parts[0].breakdown})
+                        breakdown={k: torch.cat([p.breakdown[k] for p in parts]) for k in parts[0].breakdown},
+                        errors=_summed([p.errors for p in parts]))
+
+
+def _summed(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0) + value
+    return out

@@ -1,9 +1,9 @@
 """HFSampler: samples G completions per prompt from the live policy.
 
-- Prompts are rendered by a template, tokenised once, cut from the left to ``max_prompt_tokens`` and
-  left-padded. The returned ids are exactly the sampled ids (never decoded and re-tokenised); a
-  completion ends at its first EOS token (kept, and counted in the loss) or is truncated at
-  ``max_completion_tokens``.
+- Prompts are rendered by a template, tokenised once, left-padded; a prompt over ``max_prompt_tokens``
+  loses the middle of its question, never the template's head (counted in ``prompts/truncated``). The
+  returned ids are exactly the sampled ids (never decoded and re-tokenised); a completion ends at its
+  first EOS token (kept, and counted in the loss) or is truncated at ``max_completion_tokens``.
 - A transformers causal LM runs one of our two decoding paths, with an exact two-level inverse-CDF
   draw: ``decoding="dynamic"`` (:mod:`grpo_engine.sampling.decode`: a row leaves the batch at its EOS),
   or ``"static"``, ``"compiled"``, ``"cuda_graph"`` (:mod:`grpo_engine.sampling.static`: a static KV cache
@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -107,7 +109,7 @@ class HFSampler:
         model: the policy (updated in place by the trainer, so samples are always on-policy).
         tokenizer: its tokenizer.
         template: renders a Prompt to text; defaults to the chat template when the tokenizer has one.
-        max_prompt_tokens: prompts are cut from the left to this many tokens.
+        max_prompt_tokens: a longer prompt loses the middle of its question (:meth:`truncated`).
         max_completion_tokens: sampling stops here.
         temperature, top_p, top_k: sampling settings (top_p=1 and top_k=0 are off).
         return_logprobs: also report the sampled tokens' log-probs (costs one log-softmax per step).
@@ -159,19 +161,52 @@ class HFSampler:
         self.decoding = decoding
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
         self.last_decoding: dict = {}  # the last call's decoding path ("path"), and a CUDA-graph capture error
+        self.last_truncated, self._warned_truncation = 0, False  # prompts cut to max_prompt_tokens
         if merge_lora:
             check_mergeable(model)
         self.eos_ids = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
 
+    def prompt_tokens(self, prompt: Prompt) -> list[int]:
+        """The token ids of the rendered prompt, whole (before any truncation)."""
+        text = self.template.render(prompt, self.tokenizer)
+        bos = self.tokenizer.bos_token  # a chat template that already wrote the BOS token gets no second one
+        return self.tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+
+    def truncated(self, prompt: Prompt, ids: list[int]) -> list[int]:
+        """``ids`` cut to ``max_prompt_tokens``: the template's head and tail (what an empty question
+        renders to) are kept whole, and the question loses its middle, keeping its start and end."""
+        limit = self.max_prompt_tokens
+        if len(ids) <= limit:
+            return ids
+        content = "" if isinstance(prompt.content, str) else tuple(
+            {**m, "content": ""} if m is prompt.content[-1] else m for m in prompt.content)
+        scaffold = self.prompt_tokens(dataclasses.replace(prompt, content=content))
+        head = 0
+        while head < min(len(ids), len(scaffold)) and ids[head] == scaffold[head]:
+            head += 1
+        tail = 0
+        while tail < min(len(ids), len(scaffold)) - head and ids[-1 - tail] == scaffold[-1 - tail]:
+            tail += 1
+        budget = limit - head - tail
+        if budget < 2:  # the template alone is too long: keep the end
+            return ids[-limit:]
+        middle = ids[head:len(ids) - tail]
+        return ids[:head] + middle[:budget - budget // 2] + middle[len(middle) - budget // 2:] + ids[len(ids) - tail:]
+
     def encode_prompts(self, prompts: Sequence[Prompt]) -> tuple[Tensor, Tensor]:
-        """Left-padded ids [B, P] and mask [B, P] of the rendered prompts."""
-        texts = [self.template.render(p, self.tokenizer) for p in prompts]
-        bos = self.tokenizer.bos_token
-        # a chat template that already wrote the BOS token gets no second one
-        rows = [self.tokenizer(t, add_special_tokens=not (bos and t.startswith(bos)))["input_ids"]
-                [-self.max_prompt_tokens:] for t in texts]
+        """Left-padded ids [B, P] and mask [B, P] of the rendered prompts; a prompt longer than
+        ``max_prompt_tokens`` is cut by :meth:`truncated` (``last_truncated`` counts them)."""
+        whole = [self.prompt_tokens(p) for p in prompts]
+        rows = [self.truncated(p, r) for p, r in zip(prompts, whole)]
+        self.last_truncated = sum(len(r) > self.max_prompt_tokens for r in whole)
+        if self.last_truncated and not self._warned_truncation:
+            self._warned_truncation = True
+            warnings.warn(f"{self.last_truncated} prompt(s) of a batch are longer than max_prompt_tokens="
+                          f"{self.max_prompt_tokens}: their question lost its middle (the template's head and tail "
+                          "kept); raise max_prompt_tokens, or set GRPOConfig(overlong_prompts='drop' or 'error')",
+                          stacklevel=3)
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.bool)
@@ -223,7 +258,7 @@ class HFSampler:
         return RolloutBatch(
             prompts=tuple(prompts), group_size=group_size, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
             completion_ids=completion_ids, completion_mask=completion_mask, is_truncated=is_truncated,
-            texts=texts, sampler_logprobs=logprobs,
+            texts=texts, sampler_logprobs=logprobs, metrics={"prompts/truncated": float(self.last_truncated)},
         )
 
     def token_draw(self) -> TokenDraw:
