@@ -7,9 +7,10 @@ The public surface::
     from grpo_engine.data import load_jsonl_prompts, load_gsm8k, arithmetic_task
 """
 
+import grpo_engine._quiet  # noqa: F401  (known third-party log noise, filtered where it arises)
 from grpo_engine.advantages import RLOO, GroupNormalized, MeanBaseline, ReinforcePlusPlusBaseline
 from grpo_engine.callbacks import Callback, HeldOutEval, TrainerControl, TrainerState
-from grpo_engine.config import GRPOConfig
+from grpo_engine.config import ConfigError, GRPOConfig
 from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.memory import LoRA, MemoryPlan
 from grpo_engine.protocols import (
@@ -22,7 +23,8 @@ from grpo_engine.protocols import (
     Sampler,
     SamplerWrapper,
 )
-from grpo_engine.rewards import Reward, WeightedSum
+from grpo_engine.report import TensorBoardLogger, TrackioLogger, WandbLogger
+from grpo_engine.rewards import FunctionReward, Reward, WeightedSum
 from grpo_engine.sampling import HFSampler
 from grpo_engine.trainer import GRPOTrainer
 from grpo_engine.types import LossOutput, MicroBatch, Prompt, Requirements, RewardOutput, RolloutBatch
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GRPOTrainer",
     "GRPOConfig",
+    "ConfigError",
     "MemoryPlan",
     "LoRA",
     "Prompt",
@@ -54,7 +57,11 @@ __all__ = [
     "GRPOLoss",
     "HFSampler",
     "Reward",
+    "FunctionReward",
     "WeightedSum",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "TrackioLogger",
     "GroupNormalized",
     "MeanBaseline",
     "RLOO",

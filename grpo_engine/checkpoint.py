@@ -31,16 +31,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["save_pretrained_atomic", "write_text_atomic", "clean_leftovers", "latest_checkpoint", "prune_checkpoints", "Resume",
-           "trainer_state", "restore", "ResumeError", "SAFE_CHANGES"]
+__all__ = ["save_pretrained_atomic", "write_text_atomic", "clean_leftovers", "latest_checkpoint", "prune_checkpoints",
+           "Resume", "trainer_state", "restore", "ResumeError", "SAFE_CHANGES"]
 
 STATE_FILE, SUMMARY_FILE = "trainer_state.pt", "trainer_state.json"
 # settings that may change on resume (when named): limits, bookkeeping, and what changes only speed or summation order
 SAFE_CHANGES = frozenset({
     "config.max_steps", "config.max_train_seconds", "config.save_every_steps", "config.keep_last_checkpoints",
-    "config.log_every_steps", "config.progress_bar", "config.max_nonfinite_steps", "config.output_dir",
-    "config.reward_timeout_s", "config.on_reward_error", "memory.decoding", "memory.micro_batch_size", "memory.logprob_chunk_size",
-    "memory.logprob_vocab_tile",
+    "config.log_every_steps", "config.progress_bar", "config.report_to", "config.max_nonfinite_steps",
+    "config.output_dir", "config.reward_timeout_s", "config.on_reward_error", "memory.decoding",
+    "memory.micro_batch_size", "memory.logprob_chunk_size", "memory.logprob_vocab_tile",
 })
 
 

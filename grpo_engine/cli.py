@@ -1,4 +1,4 @@
-"""The ``grpo-engine`` command: ``train CONFIG.yaml``, ``eval``, ``plan``, ``demo``, ``example-config``.
+"""The ``grpo-engine`` command: ``train CONFIG.yaml``, ``eval``, ``plan``, ``export``, ``demo``, ``example-config``.
 
 The core never imports this module.
 """
@@ -7,42 +7,60 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+import yaml
 
-from grpo_engine.config import FrozenModel, GRPOConfig
+from grpo_engine.config import ConfigError, FrozenModel, GRPOConfig, load_yaml
 from grpo_engine.memory.plan import LoRA, MemoryPlan
 
 __all__ = ["main"]
 
-EXAMPLE = """\
-# grpo-engine train example.yaml
-model: HuggingFaceTB/SmolLM2-135M-Instruct      # or a local folder in transformers layout
-train_prompts: {function: grpo_engine.data.load_gsm8k, path: ../shared/data/gsm8k/train.jsonl}
+EXAMPLE_DATA = {
+    None: "{{function: grpo_engine.data.arithmetic_task, num_train: 1000, num_test: 64}}   # bundled synthetic task",
+    "gsm8k": "{{function: grpo_engine.data.load_gsm8k, path: {path}}}",
+    "jsonl": "{{function: grpo_engine.data.load_jsonl_prompts, path: {path}, question_field: question, "
+             "answer_field: answer}}",
+}
+
+
+def example_config(data: str | None = None, model: str = "HuggingFaceTB/SmolLM2-135M-Instruct") -> str:
+    """A complete, runnable run file: on ``data`` (a GSM8K or JSONL file) or the bundled arithmetic task."""
+    kind = None if data is None else "gsm8k" if "gsm8k" in str(data).lower() else "jsonl"
+    prompts = EXAMPLE_DATA[kind].format(path=json.dumps(str(data)) if data else "")
+    tokens = 256 if kind else 32
+    return f"""\
+# grpo-engine train run.yaml
+model: {model}      # or a local folder in transformers layout
+train_prompts: {prompts}
 rewards:
-  - {class: grpo_engine.rewards.MathAccuracy}
-  - {class: grpo_engine.rewards.BoxedFormat, weight: 0.1}
-loss: {class: grpo_engine.losses.ClippedSurrogate, clip_eps_low: 0.2, clip_eps_high: 0.2}
-advantage: {class: grpo_engine.advantages.GroupNormalized}
-template: {class: grpo_engine.data.ChatTemplate, instruction: " Put the final answer in \\\\boxed{}."}
+  - {{class: grpo_engine.rewards.MathAccuracy}}
+  - {{class: grpo_engine.rewards.BoxedFormat, weight: 0.1}}
+loss: {{class: grpo_engine.losses.ClippedSurrogate, clip_eps_low: 0.2, clip_eps_high: 0.2}}
+advantage: {{class: grpo_engine.advantages.GroupNormalized}}
+template: {{class: grpo_engine.data.ChatTemplate, instruction: " Put the final answer in \\\\boxed{{}}."}}
 config:
   prompts_per_step: 4
   group_size: 8
-  max_completion_tokens: 256
+  max_completion_tokens: {tokens}
   max_steps: 200
   learning_rate: 1.0e-4
-  output_dir: runs/gsm8k
+  save_every_steps: 50
+  output_dir: runs/example
 memory:
-  lora: {r: 16, alpha: 32}
+  lora: {{r: 16, alpha: 32}}
   gradient_checkpointing: true
   optimizer: adamw8bit
   micro_batch_size: 8
 """
+
+
+EXAMPLE = example_config()
 
 
 def _options(model: type[FrozenModel], prefix: str) -> str:
@@ -76,16 +94,20 @@ def _train_help() -> str:
 def _train(args: argparse.Namespace) -> int:
     from grpo_engine import checkpoint
     from grpo_engine.data import DataError
-    from grpo_engine.spec import RunSpec, build, format_validation_error
+    from grpo_engine.spec import BuildError, RunSpec, build
 
     path = args.config
     try:
-        spec = RunSpec.from_yaml(path)
+        data = load_yaml(Path(path))
+        spec = RunSpec.model_validate(_overridden(data if data is not None else {}, args.set))
     except FileNotFoundError:
         print(f"error: no config file at {path!r}", file=sys.stderr)
         return 2
-    except ValidationError as exc:
-        print(f"error: {path}: {format_validation_error(exc)}", file=sys.stderr)
+    except ConfigError as exc:
+        print(f"error: {path}{' with --set' if args.set else ''}: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a malformed --set
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(spec.config.output_dir)
     problem = _resume_problem(spec, out) if args.resume else _used_problem(out)
@@ -96,10 +118,10 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     from grpo_engine.trainer import GRPOTrainer
 
-    prompts = build(spec.train_prompts)
-    if isinstance(prompts, tuple) and len(prompts) == 2:
-        prompts = prompts[0]
     try:
+        prompts = build(spec.train_prompts)
+        if isinstance(prompts, tuple) and len(prompts) == 2:
+            prompts = prompts[0]
         trainer = GRPOTrainer(
             spec.model, [build(r) for r in spec.rewards], prompts, config=spec.config, memory=spec.memory,
             advantage=build(spec.advantage) if spec.advantage else None,
@@ -110,7 +132,7 @@ def _train(args: argparse.Namespace) -> int:
             callbacks=[build(c) for c in spec.callbacks],
             resume_from=checkpoint.Resume("latest", frozenset(args.allow_change)) if args.resume else None,
         )
-    except (DataError, checkpoint.ResumeError, FileNotFoundError) as exc:
+    except (BuildError, DataError, checkpoint.ResumeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
@@ -120,6 +142,35 @@ def _train(args: argparse.Namespace) -> int:
     trainer.train()
     print(f"saved to {out / 'final'}; metrics in {out / 'metrics.jsonl'}")
     return 0
+
+
+def _overridden(data: Any, settings: Sequence[str]) -> Any:
+    """The run file's data with each ``--set dotted.path=value`` applied (the value read as YAML)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"the run file must be a YAML mapping (model: ..., rewards: ...), got {type(data).__name__}")
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ValueError(f"--set {setting!r}: write FIELD=VALUE, e.g. --set config.learning_rate=1e-4")
+        value = yaml.safe_load(text) if text.strip() else None
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 as text
+            for kind in (int, float):
+                try:
+                    value = kind(value)
+                    break
+                except ValueError:
+                    pass
+        node = data
+        *parents, last = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {setting!r}: {part!r} is {child!r}, not a section with fields")
+            node = child
+        node[last] = value
+    return data
 
 
 def _used_problem(out: Path) -> str | None:
@@ -188,7 +239,10 @@ def _eval(args: argparse.Namespace) -> int:
     if args.adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, args.adapter)
+        from grpo_engine._quiet import quiet_peft
+
+        with quiet_peft():
+            model = PeftModel.from_pretrained(model, args.adapter)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     template = default_template(tokenizer, system=args.template_system, instruction=args.template_instruction)
@@ -255,14 +309,14 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         workload = Workload(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                             prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens, kl=args.kl)
-        base = MemoryPlan(lora=None if args.full_finetune else LoRA(r=args.lora_r, alpha=2 * args.lora_r),
+        base = MemoryPlan(lora=None if args.full_finetune else LoRA(r=args.lora_r),
                           dtype=args.dtype, micro_batch_size=args.micro_batch_size or workload.rows)
         print(f"model {args.model}; {workload.prompts_per_step} prompts x {workload.group_size} completions, "
               f"{workload.prompt_tokens} + {workload.completion_tokens} tokens{', KL' if workload.kl else ''}\n")
         print("Without memory savings:")
         print(estimate_memory(args.model, base, workload).table())
         choice = plan_for_budget(args.model, workload, args.budget_gib, base=base, margin=args.margin)
-    except (ValueError, ValidationError) as exc:
+    except ValueError as exc:  # ConfigError included
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"\nChosen for {args.budget_gib:g} GiB: {choice.reason}\n")
@@ -294,6 +348,18 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--margin", type=float, default=0.15, help="safety margin on the prediction (default %(default)s)")
 
 
+def _export(args: argparse.Namespace) -> int:
+    from grpo_engine.export import export_run
+
+    try:
+        out = export_run(args.run, args.merge, base=args.base, dtype=args.dtype)
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: a plain transformers folder (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``grpo-engine``."""
     parser = argparse.ArgumentParser(
@@ -304,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train from a YAML run file", description=_train_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", help="path to the YAML run file")
+    train.add_argument("--set", action="extend", nargs="+", default=[], metavar="FIELD=VALUE",
+                       help="override a setting of the run file, validated like the file, e.g. --set "
+                       "config.learning_rate=1e-4 memory.lora.r=32")
     train.add_argument("--resume", action="store_true",
                        help="continue the run in config.output_dir from its newest checkpoint, exactly")
     train.add_argument("--allow-change", action="append", default=[], metavar="FIELD",
@@ -321,7 +390,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", default=DemoSettings.output_dir,
                       help="metrics.jsonl and reward_curve.png go here (default %(default)s)")
     demo.add_argument("--seed", type=int, default=DemoSettings.seed, help="seed (default %(default)s)")
-    sub.add_parser("example-config", help="print a complete example YAML run file")
+    export = sub.add_parser("export", help="merge a run's LoRA adapter into its base model: a plain transformers "
+                            "folder", description="Loads the base model (the run's run.yaml model, or --base), "
+                            "applies the newest checkpoint's adapter (or the folder given), merges it and writes "
+                            "the weights and tokenizer to --merge OUT.")
+    export.add_argument("run", help="a run folder, or its final/ or checkpoint-N/ folder")
+    export.add_argument("--merge", required=True, metavar="OUT", help="the folder to write")
+    export.add_argument("--base", help="the base model (default: the run's model)")
+    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype to load and save in (default %(default)s)")
+    example = sub.add_parser("example-config", help="print a complete, runnable YAML run file")
+    example.add_argument("--data", help="a GSM8K or JSONL file of question/answer records (default: the bundled "
+                         "arithmetic task)")
+    example.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                         help="a hub id or local transformers folder (default %(default)s)")
     return parser
 
 
@@ -336,7 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _demo(args)
     if args.command == "plan":
         return _plan(args)
-    print(EXAMPLE, end="")
+    if args.command == "export":
+        return _export(args)
+    print(example_config(args.data, args.model), end="")
     return 0
 
 

@@ -1,9 +1,10 @@
 """GRPOConfig: the numbers and switches of a run (components are objects, not config strings).
 
 Every model here is a frozen pydantic record with ``extra="forbid"``: a misspelled field is an
-error, and one ``ValidationError`` lists every bad field at once, each with its value, the rule it
-breaks and the fix. ``to_yaml`` / ``from_yaml`` round-trip a config through a YAML file. Batch
-vocabulary (the units are in the names):
+error, and one :class:`ConfigError` lists every bad field at once, each with its value, the rule it
+breaks and the fix; an unknown name gets the closest field, or where TRL's name of it lives here.
+``to_yaml`` / ``from_yaml`` round-trip a config through a YAML file. Batch vocabulary (the units are
+in the names):
 
 - ``prompts_per_step`` (B): prompts sampled for one optimizer step.
 - ``group_size`` (G): completions sampled per prompt; ``completions_per_step`` = B * G, derived.
@@ -17,15 +18,18 @@ constant, linear or cosine over the run's progress, the larger of the step fract
 
 from __future__ import annotations
 
+import difflib
 import math
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-__all__ = ["FrozenModel", "GRPOConfig", "load_yaml", "dump_yaml", "lr_factor"]
+__all__ = ["ConfigError", "FrozenModel", "GRPOConfig", "format_validation_error", "load_yaml", "dump_yaml",
+           "lr_factor"]
 
 M = TypeVar("M", bound="FrozenModel")
 
@@ -33,16 +37,48 @@ M = TypeVar("M", bound="FrozenModel")
 Rule = tuple[Callable[[Any], bool], str, str]  # (is the value fine?, the rule, the fix)
 
 
+class ConfigError(ValueError):
+    """Bad settings: one line per problem, each with its place, value, rule and fix."""
+
+    def __init__(self, message: str, validation_error: ValidationError) -> None:
+        super().__init__(message)
+        self.validation_error = validation_error
+
+    def errors(self) -> list[dict[str, Any]]:
+        """pydantic's records of the problems (``loc``, ``msg``, ``type``...)."""
+        return self.validation_error.errors()
+
+
 class FrozenModel(BaseModel):
     """Base for every config record: frozen, no unknown fields, YAML in and out.
 
     A subclass lists its value rules in ``field_rules`` (field -> (check, rule, fix)). They are
-    checked per field, so one ``ValidationError`` lists every bad field (type errors included) at
-    once, each message naming the value, the rule and the fix.
+    checked per field, so one :class:`ConfigError` lists every bad field (type errors included) at
+    once, each message naming the value, the rule and the fix. ``renamed`` maps names users bring
+    from other libraries (TRL) to where that setting lives here.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
     field_rules: ClassVar[dict[str, Rule]] = {}
+    renamed: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, type(self), title=type(self).__name__), exc) from None
+
+    # pydantic calls a custom __init__ when it validates a nested record, which would turn the nested
+    # record's problems into one opaque line; marked as the base init, nested records keep their
+    # per-field errors and only the outermost record raises ConfigError
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @classmethod
+    def model_validate(cls: type[M], obj: Any, **kwargs: Any) -> M:
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, cls, title=cls.__name__), exc) from None
 
     @field_validator("*", mode="after")
     @classmethod
@@ -64,6 +100,44 @@ class FrozenModel(BaseModel):
         """Builds the record from a YAML file path or YAML text."""
         data = load_yaml(source)
         return cls.model_validate(data or {})
+
+
+def format_validation_error(exc: ValidationError, model: type[FrozenModel], title: str = "the configuration") -> str:
+    """One line per problem, with its location, and for an unknown field the closest known name (or
+    where another library's name for it lives here)."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(the whole record)"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            field = str(err["loc"][-1])
+            owner = _owner(model, err["loc"][:-1])
+            known = list(owner.model_fields) if owner is not None else []
+            match = difflib.get_close_matches(field, known, n=1)
+            if owner is not None and field in owner.renamed:
+                message = f"unknown field; {owner.renamed[field]}"
+            elif match:
+                message = f"unknown field; did you mean '{match[0]}'?"
+            else:
+                message = f"unknown field; known fields: {', '.join(known)}"
+        elif err["type"] not in ("value_error", "assertion_error") and "input" in err:
+            message = f"{message} (got {str(err['input'])[:60]!r})"
+        lines.append(f"  - {loc}: {message}")
+    return f"{len(lines)} problem(s) in {title}:\n" + "\n".join(lines)
+
+
+def _owner(model: type[FrozenModel], path: tuple[Any, ...]) -> type[FrozenModel] | None:
+    """The record found by following ``path`` (field names) from ``model``."""
+    current: Any = model
+    for part in path:
+        if isinstance(part, int):  # an item of a list field
+            continue
+        field = current.model_fields.get(str(part)) if isinstance(current, type) else None
+        if field is None:
+            return None
+        options = (field.annotation, *typing.get_args(field.annotation))
+        current = next((t for t in options if isinstance(t, type) and issubclass(t, FrozenModel)), None)
+    return current if isinstance(current, type) and issubclass(current, FrozenModel) else None
 
 
 def load_yaml(source: str | Path) -> Any:
@@ -148,6 +222,10 @@ class GRPOConfig(FrozenModel):
         None, description="Keep only the newest this many checkpoint-N folders (null = keep all; final/ always stays)."
     )
     progress_bar: bool = Field(True, description="Show a console progress bar.")
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
+        default_factory=list, description="Also log every step's metrics to these backends (metrics.jsonl is always "
+        "written); each needs its optional extra, e.g. pip install 'grpo_engine[tensorboard]'."
+    )
     log_token_entropy: bool = Field(
         True, description="Log the exact mean token entropy from the training pass (one extra softmax over "
         "the vocabulary per trained token; always computed when the loss needs it)."
@@ -158,6 +236,42 @@ class GRPOConfig(FrozenModel):
         """N = prompts_per_step * group_size."""
         return self.prompts_per_step * self.group_size
 
+
+_TRL = "TRL's {} is {} here"
+GRPOConfig.renamed = {
+    "num_generations": _TRL.format("num_generations", "group_size"),
+    "max_completion_length": _TRL.format("max_completion_length", "max_completion_tokens"),
+    "max_prompt_length": _TRL.format("max_prompt_length", "max_prompt_tokens"),
+    "num_iterations": _TRL.format("num_iterations", "updates_per_batch"),
+    "per_device_train_batch_size": "TRL's per_device_train_batch_size counts completions; here a step samples "
+    "prompts_per_step prompts x group_size completions",
+    "generation_batch_size": "TRL's generation_batch_size counts completions; here a step samples prompts_per_step "
+    "prompts x group_size completions",
+    "gradient_accumulation_steps": "here the step's completions are cut into micro-batches of "
+    "MemoryPlan.micro_batch_size (memory.micro_batch_size), with the gradient of the whole step",
+    "beta": "TRL's beta is the KL coefficient of the loss here: loss=ClippedSurrogate(kl_coef=0.04)",
+    "epsilon": "TRL's epsilon is the loss's clip here: loss=ClippedSurrogate(clip_eps_low=0.2)",
+    "epsilon_high": "TRL's epsilon_high is the loss's upper clip here: loss=ClippedSurrogate(clip_eps_high=0.28)",
+    "loss_type": "TRL's loss_type is a choice of components here: see grpo_engine.presets (grpo, dr_grpo, dapo, "
+    "gspo, cispo)",
+    "scale_rewards": "TRL's scale_rewards is the advantage's std_scope here: advantage=GroupNormalized("
+    "std_scope='group' | 'batch' | 'none')",
+    "mask_truncated_completions": "here truncated completions are masked by a loss term: "
+    "ClippedSurrogate(terms=[MaskTruncated()])",
+    "num_train_epochs": "here a run is max_steps steps (or max_train_seconds)",
+    "logging_steps": _TRL.format("logging_steps", "log_every_steps"),
+    "save_steps": _TRL.format("save_steps", "save_every_steps"),
+    "save_total_limit": _TRL.format("save_total_limit", "keep_last_checkpoints"),
+    "lr_scheduler_type": _TRL.format("lr_scheduler_type", "lr_schedule"),
+    "adam_beta1": "TRL's adam_beta1 and adam_beta2 are adam_betas=(0.9, 0.99) here",
+    "adam_beta2": "TRL's adam_beta1 and adam_beta2 are adam_betas=(0.9, 0.99) here",
+    "adam_epsilon": _TRL.format("adam_epsilon", "adam_eps"),
+    "bf16": "mixed precision is MemoryPlan(compute_dtype='bfloat16') here (memory.compute_dtype)",
+    "fp16": "mixed precision is MemoryPlan(compute_dtype='float16') here (memory.compute_dtype)",
+    "gradient_checkpointing": "it is MemoryPlan(gradient_checkpointing=True) here (memory.gradient_checkpointing)",
+    "reward_weights": "here each reward carries its weight: MathAccuracy(weight=1.0)",
+    "resume_from_checkpoint": "resume with GRPOTrainer(..., resume_from='latest') (CLI: --resume)",
+}
 
 GRPOConfig.field_rules = {
     **{

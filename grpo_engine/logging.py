@@ -114,8 +114,12 @@ def rollout_metrics(batch: RolloutBatch, rewards: RewardOutput) -> dict[str, flo
         "tokens/generated": lengths.sum().item(),
     }
     for name, scores in rewards.breakdown.items():
-        metrics[f"reward/{name}/mean"] = scores.float().mean().item()
-        metrics[f"reward/{name}/std"] = scores.float().std().item() if scores.numel() > 1 else 0.0
+        scores = scores.float().flatten()
+        applies = scores[~scores.isnan()]  # a plain reward function's None: the reward does not apply
+        metrics[f"reward/{name}/mean"] = applies.mean().item() if applies.numel() else 0.0
+        metrics[f"reward/{name}/std"] = applies.std().item() if applies.numel() > 1 else 0.0
+        if applies.numel() < scores.numel():
+            metrics[f"reward/{name}/none"] = float(scores.numel() - applies.numel())
     for name, count in rewards.errors.items():  # samples scored 0 because their reward failed (on_reward_error)
         metrics[f"reward/{name}/errors"] = float(count)
     return metrics

@@ -20,23 +20,25 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import typing
-from typing import Any
+import pkgutil
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_serializer, model_validator
 
-from grpo_engine.config import FrozenModel, GRPOConfig
+from grpo_engine.config import ConfigError, FrozenModel, GRPOConfig, format_validation_error
 from grpo_engine.memory.plan import MemoryPlan
 
-__all__ = ["ComponentSpec", "RunSpec", "build", "format_validation_error", "trusted"]
+__all__ = ["BuildError", "ComponentSpec", "ConfigError", "RunSpec", "build", "format_validation_error", "trusted"]
 
 
 class ComponentSpec(FrozenModel):
-    """``{class: import.path.Name, **kwargs}`` (or ``function:`` for a factory function)."""
+    """``{class: import.path.Name, **kwargs}`` (or ``function:`` for a factory function, or
+    ``reward_function:`` for a plain reward function, wrapped with its ``weight`` / ``name``)."""
 
     model_config = FrozenModel.model_config | {"extra": "allow"}
 
     target: str = Field(description="Import path of the class or function to call.")
+    kind: Literal["call", "reward_function"] = Field("call", description="Call the target, or wrap it as a reward.")
 
     @model_validator(mode="before")
     @classmethod
@@ -44,13 +46,22 @@ class ComponentSpec(FrozenModel):
         if isinstance(data, str):
             return {"target": data}
         if isinstance(data, dict):
-            keys = [k for k in ("class", "function", "target") if k in data]
+            keys = [k for k in ("class", "function", "reward_function", "target") if k in data]
             if len(keys) != 1:
-                raise ValueError(f"a component needs exactly one of 'class' or 'function' (got keys {sorted(data)}); "
-                                 "write e.g. {class: grpo_engine.rewards.MathAccuracy, weight: 1.0}")
+                raise ValueError(f"a component needs exactly one of 'class', 'function' or 'reward_function' (got "
+                                 f"keys {sorted(data)}); write e.g. {{class: grpo_engine.rewards.MathAccuracy, "
+                                 "weight: 1.0}")
             data = dict(data)
             data["target"] = data.pop(keys[0])
+            if keys[0] == "reward_function":
+                data["kind"] = "reward_function"
         return data
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        kind, target = data.pop("kind", "call"), data.pop("target")
+        return {("reward_function" if kind == "reward_function" else "target"): target, **data}
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -98,41 +109,46 @@ def trusted(target: str, imports: list[str]) -> bool:
     return any(target.startswith(module + ".") for module in ("grpo_engine", *imports))
 
 
+class BuildError(ValueError):
+    """A component of a run file that cannot be imported or built (with the closest name, when one is)."""
+
+
 def build(spec: ComponentSpec) -> Any:
-    """Imports ``spec.target`` and calls it with ``spec.kwargs``."""
+    """Imports ``spec.target`` and calls it with ``spec.kwargs``.
+
+    Raises:
+        BuildError: the import path does not resolve (naming the closest match), or the call fails.
+    """
     module_name, _, attr = spec.target.rpartition(".")
     if not module_name:
-        raise ValueError(f"{spec.target!r} is not an import path; write e.g. grpo_engine.rewards.MathAccuracy")
+        raise BuildError(f"{spec.target!r} is not an import path; write e.g. grpo_engine.rewards.MathAccuracy")
     try:
-        target = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import {spec.target!r} ({exc}); check the spelling of the import path") from exc
-    return target(**spec.kwargs)
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BuildError(f"cannot import {spec.target!r}: no module {module_name!r}{_closest_module(module_name)}"
+                         ) from exc
+    if not hasattr(module, attr):
+        names = [n for n in dir(module) if not n.startswith("_")]
+        match = difflib.get_close_matches(attr, names, n=1)
+        hint = f"; did you mean '{module_name}.{match[0]}'?" if match else ""
+        raise BuildError(f"cannot import {spec.target!r}: {module_name} has no {attr!r}{hint}")
+    try:
+        if spec.kind == "reward_function":
+            from grpo_engine.rewards import FunctionReward
+
+            return FunctionReward(getattr(module, attr), **spec.kwargs)
+        return getattr(module, attr)(**spec.kwargs)
+    except (TypeError, ValueError) as exc:
+        raise BuildError(f"cannot build {spec.target} with {spec.kwargs}: {exc}") from exc
 
 
-def format_validation_error(exc: ValidationError, model: type[FrozenModel] = RunSpec) -> str:
-    """One line per problem, with its location, and a close match for a misspelled field."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            field = str(err["loc"][-1])
-            known = _known_fields(model, err["loc"][:-1])
-            match = difflib.get_close_matches(field, known, n=1)
-            hint = f"did you mean '{match[0]}'?" if match else f"known fields: {', '.join(known)}"
-            message = f"unknown field; {hint}"
-        lines.append(f"  - {loc}: {message}")
-    return f"{len(lines)} problem(s) in the configuration:\n" + "\n".join(lines)
-
-
-def _known_fields(model: type[FrozenModel], path: tuple[Any, ...]) -> list[str]:
-    """Field names of the record found by following ``path`` from ``model``."""
-    current: Any = model
-    for part in path:
-        field = current.model_fields.get(str(part)) if isinstance(current, type) else None
-        if field is None:
-            return []
-        options = (field.annotation, *typing.get_args(field.annotation))
-        current = next((t for t in options if isinstance(t, type) and issubclass(t, FrozenModel)), None)
-    return list(current.model_fields) if isinstance(current, type) else []
+def _closest_module(name: str) -> str:
+    parent, _, leaf = name.rpartition(".")
+    try:
+        package = importlib.import_module(parent) if parent else None
+    except ImportError:
+        return ""
+    if package is None or not hasattr(package, "__path__"):
+        return ""
+    match = difflib.get_close_matches(leaf, [m.name for m in pkgutil.iter_modules(package.__path__)], n=1)
+    return f"; did you mean '{parent}.{match[0]}'?" if match else ""

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from grpo_engine import checkpoint, guards
+from grpo_engine import checkpoint, export, guards
 from grpo_engine.advantages import GroupNormalized
 from grpo_engine.callbacks import Callback, TrainerControl, TrainerState
 from grpo_engine.config import GRPOConfig, lr_factor
 from grpo_engine.data.checks import check_prompts
+from grpo_engine.data.records import to_prompts
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.data.templates import PromptTemplate
 from grpo_engine.eval import evaluate
@@ -55,6 +57,7 @@ from grpo_engine.protocols import (
     Sampler,
     SamplerWrapper,
 )
+from grpo_engine.report import report_callbacks
 from grpo_engine.rewards import WeightedSum
 from grpo_engine.sampling.dynamic import select_groups
 from grpo_engine.sampling.hf import HFSampler
@@ -68,10 +71,12 @@ class GRPOTrainer:
 
     Args:
         model: a local folder / hub id, or an already built transformers causal LM.
-        rewards: reward functions (combined by their weights) and reward transforms (e.g.
-            ``KLRewardPenalty``), or a ``WeightedSum``.
-        prompts: the training prompts (each carries its reference answer in ``target``), served by
-            a seeded ``PromptStream``, or a ``PromptSource`` (e.g. ``InformativeCurriculum``).
+        rewards: rewards (``Reward`` objects, or plain functions ``fn(prompts, completions, **columns)``
+            returning a score or None per completion), combined by their weights, and reward transforms
+            (e.g. ``KLRewardPenalty``); or a ``WeightedSum``.
+        prompts: the training prompts (each carries its reference answer in ``target``): ``Prompt``
+            records, a ``datasets.Dataset`` or a list of dicts (``grpo_engine.data.to_prompts``), served
+            by a seeded ``PromptStream``; or a ``PromptSource`` (e.g. ``InformativeCurriculum``).
         config: numbers and switches of the run.
         memory: how the model is held and trained (LoRA, checkpointing, optimizer, micro-batch).
         tokenizer: required when ``model`` is a module.
@@ -97,8 +102,8 @@ class GRPOTrainer:
     def __init__(
         self,
         model: str | Path | nn.Module,
-        rewards: Sequence[RewardFn] | WeightedSum,
-        prompts: Sequence[Prompt] | PromptSource,
+        rewards: Sequence[RewardFn | Callable[..., Sequence[float | None]]] | RewardFn | WeightedSum,
+        prompts: Iterable[Prompt | Mapping[str, Any]] | PromptSource,
         config: GRPOConfig | None = None,
         memory: MemoryPlan | None = None,
         *,
@@ -121,6 +126,8 @@ class GRPOTrainer:
             raise ValueError("a model object needs its tokenizer: pass GRPOTrainer(model, ..., tokenizer=tokenizer)")
         self.tokenizer, self.template = tokenizer, template
         self.model = prepare_model(model, memory)
+        if callable(rewards) and not isinstance(rewards, WeightedSum):
+            rewards = [rewards]  # one reward (TRL's reward_funcs=fn)
         self.rewards = (rewards if isinstance(rewards, WeightedSum) else WeightedSum(list(rewards))).configured(
             timeout_s=config.reward_timeout_s, on_error=config.on_reward_error)
         self.advantage = advantage if advantage is not None else GroupNormalized()
@@ -142,6 +149,7 @@ class GRPOTrainer:
         needs_reference = self.loss.requires.ref_logprobs or self.rewards.requires.ref_logprobs
         self.reference = ReferencePolicy(self.model, memory) if needs_reference else None
         self.callbacks = list(callbacks)
+        self._loggers = report_callbacks(config.report_to)  # after the user's callbacks: they see every metric
         self.state = TrainerState(max_steps=config.max_steps, temperature=config.temperature,
                                   output_dir=config.output_dir)
         self.control = TrainerControl()
@@ -246,7 +254,7 @@ class GRPOTrainer:
         seconds = timer.seconds()
         self.state.train_seconds += seconds["time/step_s"]
         with warnings.catch_warnings():  # a skipped step calls no optimizer.step(): the schedule still advances
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
             self.scheduler.step()  # once per step, after the clock, which a time budget's decay reads
         metrics = {**self._batch_metrics(batch, rewards), **batch.metrics, **loss_metrics, **seconds,
                    "temperature": temperature, "lr": lr, "skipped_steps": float(self.state.skipped_steps)}
@@ -285,12 +293,19 @@ class GRPOTrainer:
         self._event("on_save", path=saved)
         return saved
 
+    def save_merged(self, path: str | Path) -> Path:
+        """Saves the policy with its LoRA adapter merged into a copy of the weights, and the tokenizer: a
+        plain transformers folder for ``AutoModelForCausalLM`` and serving engines (``grpo_engine.export``)."""
+        return export.save_merged(self.model, self.tokenizer, path)
+
     # -- the stages' helpers -------------------------------------------------------------------
 
     def _checked_prompts(self, prompts: Sequence[Prompt] | PromptSource, sampler: Any) -> PromptSource:
         """The prompt source, once every training prompt passed ``check_prompts`` (targets the rewards
         can score, duplicates warned, over-long prompts by ``config.overlong_prompts``)."""
         cfg = self.config
+        if not isinstance(prompts, PromptSource):
+            prompts = to_prompts(prompts, name="prompts")  # a datasets.Dataset, dicts, or Prompt records
         given = list(prompts) if not isinstance(prompts, PromptSource) else list(getattr(prompts, "prompts", ()))
         length = getattr(sampler, "prompt_tokens", None)
         kept = check_prompts(given, self.rewards.check, max_prompt_tokens=cfg.max_prompt_tokens,
@@ -320,7 +335,7 @@ class GRPOTrainer:
                 "checkpoint")
 
     def _event(self, name: str, **kwargs: Any) -> None:
-        for callback in self.callbacks:
+        for callback in (*self.callbacks, *self._loggers):
             getattr(callback, name)(self, self.state, self.control, **kwargs)
 
     def _no_grad_logprobs(self, batch: RolloutBatch) -> tuple[Tensor | None, Tensor | None]:

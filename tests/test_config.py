@@ -4,11 +4,12 @@ import pytest
 from pydantic import ValidationError
 
 from grpo_engine import GRPOConfig, LoRA, MemoryPlan
-from grpo_engine.spec import RunSpec, format_validation_error
+from grpo_engine.config import ConfigError
+from grpo_engine.spec import RunSpec
 
 
 def test_several_mistakes_are_all_reported_with_their_fixes():
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(ConfigError) as info:
         GRPOConfig(group_size=1, temperature=0.0, prompts_per_step="four", top_p=1.5, learning_rate=-1)
     errors = {e["loc"][0]: e["msg"] for e in info.value.errors()}
     assert set(errors) == {"group_size", "temperature", "prompts_per_step", "top_p", "learning_rate"}
@@ -23,14 +24,31 @@ def test_unknown_fields_are_errors_with_a_suggestion():
         "model": "m", "train_prompts": {"function": "x.y"}, "rewards": [{"class": "a.B"}],
         "config": {"grup_size": 4, "max_steps": 0}, "memory": {"lora": {"rank": 8}, "micro_batch_size": 0},
     }
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(ConfigError) as info:
         RunSpec.model_validate(data)
-    text = format_validation_error(info.value)
-    assert text.startswith("4 problem(s) in the configuration:")
+    text = str(info.value)
+    assert text.startswith("4 problem(s) in RunSpec:")
     assert "config.grup_size: unknown field; did you mean 'group_size'?" in text
     assert "config.max_steps: max_steps=0 must be >= 1" in text
     assert "memory.lora.rank: unknown field" in text
     assert "memory.micro_batch_size: micro_batch_size=0 must be >= 1" in text
+
+
+def test_python_errors_name_the_field_the_rule_and_trl_names_without_links():
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(num_generations=4, max_completion_length=64, beta=0.04, grup_size=3, prompts_per_step="four")
+    text = str(info.value)
+    assert text.splitlines() == [
+        "5 problem(s) in GRPOConfig:",
+        "  - prompts_per_step: Input should be a valid integer, unable to parse string as an integer (got 'four')",
+        "  - num_generations: unknown field; TRL's num_generations is group_size here",
+        "  - max_completion_length: unknown field; TRL's max_completion_length is max_completion_tokens here",
+        "  - beta: unknown field; TRL's beta is the KL coefficient of the loss here: "
+        "loss=ClippedSurrogate(kl_coef=0.04)",
+        "  - grup_size: unknown field; did you mean 'group_size'?",
+    ]
+    assert "pydantic" not in text and "http" not in text
+    assert isinstance(info.value, ValueError) and len(info.value.errors()) == 5
 
 
 def test_yaml_round_trip_and_frozen(tmp_path):
@@ -46,7 +64,7 @@ def test_yaml_round_trip_and_frozen(tmp_path):
 
 
 def test_memory_plan_rejects_bad_values():
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(ConfigError) as info:
         MemoryPlan(optimizer="sgd", lora=LoRA(r=0, dropout=1.0))
     text = str(info.value)
     assert "r=0 must be >= 1" in text and "dropout=1.0 must be in [0, 1)" in text
@@ -57,7 +75,7 @@ def test_component_spec_needs_exactly_one_target():
 
     spec = ComponentSpec.model_validate({"class": "grpo_engine.rewards.MathAccuracy", "weight": 0.5})
     assert build(spec).weight == 0.5
-    with pytest.raises(ValidationError, match="exactly one of 'class' or 'function'"):
+    with pytest.raises(ConfigError, match="exactly one of 'class', 'function' or 'reward_function'"):
         ComponentSpec.model_validate({"weight": 1.0})
     with pytest.raises(ValueError, match="cannot import 'grpo_engine.rewards.Nope'"):
         build(ComponentSpec.model_validate({"class": "grpo_engine.rewards.Nope"}))

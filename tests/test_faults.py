@@ -8,13 +8,14 @@ import logging
 import math
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from grpo_engine import GRPOConfig, GRPOTrainer, MemoryPlan
 from grpo_engine.cli import main
+from grpo_engine.config import ConfigError
 from grpo_engine.data import DataError, load_jsonl_prompts
 from grpo_engine.guards import NonFiniteError
 from grpo_engine.losses import CISPO, GSPO, ClippedSurrogate
@@ -160,7 +161,8 @@ def test_a_hanging_reward_times_out_with_a_clear_error_or_scores_zero(tmp_path):
                            on_reward_error="zero")
         metrics = zero.step()
         assert metrics["reward/stuck/errors"] == 8 and metrics["reward/stuck/mean"] == 0.0
-        assert metrics["reward/digit_share/errors"] == 0 and metrics["reward/mean"] == metrics["reward/digit_share/mean"]
+        assert metrics["reward/digit_share/errors"] == 0
+        assert metrics["reward/mean"] == metrics["reward/digit_share/mean"]
     finally:
         release.set()
 
@@ -190,14 +192,53 @@ def test_one_failing_sample_is_scored_zero_and_counted_the_others_keep_their_sco
     assert out.breakdown["fails_on"].flatten().tolist() == pytest.approx(expected, abs=0, rel=1e-6)
 
 
-def test_a_runaway_parse_is_killed_in_its_worker_and_the_pool_goes_on():
-    """``2^2^2^2^2^2`` ran for minutes in-process and swelled to 3.7 GB; in a worker it ends (memory
-    cap, math-verify's alarm, or the pool's kill) and the next pair gets a working verifier."""
+def test_a_runaway_parse_ends_in_its_worker_whose_memory_is_capped():
+    """``2^2^2^2^2^2`` ran for minutes in a thread (math-verify's alarm off) and swelled to 3.7 GB; in a
+    worker the alarm works, the address space is capped at 2 GiB, and the next pair is verified."""
     pool = VerifyPool(workers=1, timeout_s=8)
     try:
-        (runaway, error), (equal, ok) = pool.verify([("1", "2^2^2^2^2^2"), ("0.5", r"\frac{1}{2}")])
+        (runaway, _), (equal, ok) = pool.verify([("1", "2^2^2^2^2^2"), ("0.5", r"\frac{1}{2}")])
         assert runaway is not True and (equal, ok) == (True, None)
-        assert pool.verify([("x", "1")]) == [(None, "gold")]
+        assert pool.verify([("", "1")]) == [(None, "gold")]
+        limits = Path(f"/proc/{pool._idle[0].pid}/limits")
+        if limits.is_file():
+            line = next(line for line in limits.read_text().splitlines() if line.startswith("Max address space"))
+            assert line.split()[3] == str(2 << 30)
+    finally:
+        pool.close()
+
+
+HANGING_WORKER = """
+import json, sys, time
+for line in sys.stdin:
+    task = json.loads(line)
+    if task["answer"] == "hang":
+        time.sleep(600)
+    print(json.dumps({"id": task["id"], "equal": task["answer"] == task["gold"], "error": None}), flush=True)
+"""
+
+
+def test_a_pair_past_the_timeout_has_its_worker_killed_and_replaced(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(HANGING_WORKER)
+    started = []
+
+    def start(self):
+        started.append(subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, bufsize=1))
+        return started[-1]
+
+    monkeypatch.setattr(VerifyPool, "_start", start)
+    pool = VerifyPool(workers=2, timeout_s=1)
+    try:
+        t0 = time.perf_counter()
+        results = pool.verify([("1", "hang"), ("1", "1"), ("2", "3"), ("4", "4")])
+        assert results == [(None, "timed out after 1 s"), (True, None), (False, None), (True, None)]
+        assert time.perf_counter() - t0 < 10 and started[0].poll() is not None  # the hanging worker was killed
+        assert pool.verify([("5", "5")]) == [(True, None)]
     finally:
         pool.close()
 
@@ -300,7 +341,8 @@ def test_overlong_prompts_can_be_dropped_or_refused(tmp_path):
                            tokenizer=tok)
 
     with pytest.warns(UserWarning, match=r"dropped 1 of 19 training prompts longer than max_prompt_tokens=38 "
-                                         r"\(overlong_prompts='drop'; first: prompt 'The start\. x+'\.\.\., 138 tokens\)"):
+                                         r"\(overlong_prompts='drop'; first: prompt 'The start\. x+'\.\.\., "
+                                         r"138 tokens\)"):
         assert LONG not in build("drop").prompts.prompts
     with pytest.raises(DataError, match=r"1 bad record\(s\); overlong_prompts='error': raise max_prompt_tokens.*\n"
                                         r"  prompt 'The start\. x+'\.\.\.: 138 tokens > max_prompt_tokens=38"):
@@ -312,7 +354,7 @@ def test_overlong_prompts_can_be_dropped_or_refused(tmp_path):
 
 def test_a_run_file_may_only_import_grpo_engine_and_the_modules_it_lists():
     text = "model: m\ntrain_prompts: {function: grpo_engine.data.load_gsm8k}\nrewards: [{class: os.system}]\n"
-    with pytest.raises(ValidationError, match=r"\['os.system'\] are outside grpo_engine and not under a module "
+    with pytest.raises(ConfigError, match=r"\['os.system'\] are outside grpo_engine and not under a module "
                                               r"listed in 'imports:'.*imports: \[os\]"):
         RunSpec.from_yaml(text)
     assert RunSpec.from_yaml(text + "imports: [os]\n").rewards[0].target == "os.system"

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from grpo_engine import GRPOConfig, GRPOTrainer
+from grpo_engine.config import ConfigError
 from grpo_engine.logprobs import can_share_prompt, completion_logprobs
 from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.memory import LoRA, MemoryPlan, build_optimizer, prepare_model
@@ -112,7 +112,7 @@ def test_sampler_with_a_shared_prefill_draws_the_same_completions():
 
 
 def test_quantization_needs_lora():
-    with pytest.raises(ValidationError, match="quantization='nf4' needs lora"):
+    with pytest.raises(ConfigError, match="quantization='nf4' needs lora"):
         MemoryPlan(quantization="nf4")
 
 

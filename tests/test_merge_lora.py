@@ -4,9 +4,9 @@ clear refusals where a merge would not be exact."""
 import bitsandbytes as bnb
 import pytest
 import torch
-from pydantic import ValidationError
 
 from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
+from grpo_engine.config import ConfigError
 from grpo_engine.data import PlainTemplate
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.memory import prepare_model
@@ -110,7 +110,7 @@ def test_unmergeable_models_are_refused():
 @pytest.mark.parametrize("plan", [dict(), dict(lora=LoRA(), dtype="bfloat16"),
                                   dict(lora=LoRA(), quantization="nf4")])
 def test_the_plan_refuses_a_merge_that_would_not_be_exact(plan):
-    with pytest.raises(ValidationError, match="merge_lora_for_sampling=True needs lora, dtype='float32'"):
+    with pytest.raises(ConfigError, match="merge_lora_for_sampling=True needs lora, dtype='float32'"):
         MemoryPlan(merge_lora_for_sampling=True, **plan)
 
 

@@ -233,13 +233,13 @@ def test_timeouts_only_in_the_main_thread(monkeypatch):
     monkeypatch.setattr(math_module, "parse", spy)
     math_module._parse_cached.cache_clear()
     p = Prompt("q", target="0.5")
-    assert MathAccuracy()([p], [r"\boxed{\frac{1}{2}}"]).tolist() == [1.0]
+    assert MathAccuracy(isolate=False)([p], [r"\boxed{\frac{1}{2}}"]).tolist() == [1.0]  # in this process
     assert seen and set(seen) == {math_module.TIMEOUT_SECONDS}
 
     seen.clear()
     results: list[object] = []
     thread = threading.Thread(
-        target=lambda: results.append(MathAccuracy()([p], [r"\boxed{\frac{1}{2}}"]))
+        target=lambda: results.append(MathAccuracy(isolate=False)([p], [r"\boxed{\frac{1}{2}}"]))
     )
     thread.start()
     thread.join()
@@ -329,7 +329,9 @@ def test_weighted_sum_construction_errors():
     ):
         WeightedSum([MathAccuracy(), MathAccuracy(weight=2.0)])
     with pytest.raises(TypeError, match="is not a RewardFn"):
-        WeightedSum([lambda prompts, completions: torch.zeros(len(prompts))])
+        WeightedSum([object()])
+    with pytest.raises(ValueError, match="name='<lambda>' cannot key the logs; pass name="):
+        WeightedSum([lambda prompts, completions: [0.0] * len(prompts)])  # a plain function needs a name
 
 
 class Raw:

@@ -1,4 +1,5 @@
-"""Data for GRPO: file loaders (JSON/JSONL, GSM8K, MATH-500), a synthetic arithmetic task,
+"""Data for GRPO: file loaders (JSON/JSONL, GSM8K, MATH-500), ``to_prompts`` (a ``datasets.Dataset``
+or a list of dicts), a synthetic arithmetic task,
 prompt templates (chat or plain text), and the prompt sources: a seeded, resumable stream of prompt
 batches and an online curriculum.
 
@@ -17,6 +18,7 @@ from grpo_engine.data.loaders import (
     load_jsonl_prompts,
     load_math500,
 )
+from grpo_engine.data.records import to_prompts
 from grpo_engine.data.stream import EpochOrder, PromptStream
 from grpo_engine.data.synthetic import arithmetic_task
 from grpo_engine.data.templates import (
@@ -43,4 +45,5 @@ __all__ = [
     "load_gsm8k",
     "load_jsonl_prompts",
     "load_math500",
+    "to_prompts",
 ]

@@ -14,11 +14,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from grpo_engine._quiet import quiet_peft
 from grpo_engine.memory.plan import MemoryPlan
 
 __all__ = [
     "prepare_model", "build_optimizer", "ReferencePolicy", "trainable_parameters", "quantize_4bit_",
-    "is_quantized_4bit", "activation_offload", "bnb_4bit_config", "autocast",
+    "is_quantized_4bit", "is_peft", "activation_offload", "bnb_4bit_config", "autocast",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,9 +33,13 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
         plan: the memory plan.
 
     Returns:
-        The model to train (a ``peft.PeftModel`` under LoRA).
+        The model to train (a ``peft.PeftModel`` under LoRA). A ``PeftModel`` passed in (with
+        ``plan.lora=None``) is trained as it is: its adapters, the base frozen.
     """
     dtype = _DTYPES[plan.dtype]
+    if is_peft(model) and plan.lora is not None:
+        raise ValueError("the model is already a PeftModel (it has LoRA adapters) and the MemoryPlan adds another: "
+                         "pass MemoryPlan(lora=None) to train its adapters as they are, or pass the base model")
     if is_quantized_4bit(model):
         if plan.quantization is None:
             raise ValueError("the model is loaded in 4 bits but the MemoryPlan has quantization=None; use "
@@ -64,7 +69,8 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
             task_type="CAUSAL_LM",
             bias="none",
         )
-        model = get_peft_model(model, config)
+        with quiet_peft():
+            model = get_peft_model(model, config)
         for name, param in model.named_parameters():
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()  # fp32 master weights for the adapters
@@ -75,6 +81,11 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def is_peft(model: nn.Module) -> bool:
+    """Whether ``model`` is a peft ``PeftModel`` (it carries adapters)."""
+    return any(cls.__name__ == "PeftModel" and cls.__module__.startswith("peft") for cls in type(model).__mro__)
 
 
 def autocast(plan: MemoryPlan, device: torch.device) -> contextlib.AbstractContextManager:
@@ -177,8 +188,9 @@ def build_optimizer(
 class ReferencePolicy:
     """The frozen policy of the KL term, without a second copy when it can be avoided.
 
-    Under LoRA the reference is the policy with its adapters disabled; under full fine-tuning it is
-    a frozen deep copy made at construction (only build one when the KL coefficient is non-zero).
+    Under LoRA (or for a PeftModel) the reference is the policy with its adapters disabled; under full
+    fine-tuning it is a frozen deep copy made at construction (only build one when the KL coefficient
+    is non-zero).
 
     Example:
         >>> # with ReferencePolicy(policy, plan).active() as ref_model: logprobs(ref_model, ...)
@@ -187,7 +199,7 @@ class ReferencePolicy:
     def __init__(self, policy: nn.Module, plan: MemoryPlan) -> None:
         self._policy = policy
         self._copy: nn.Module | None = None
-        if plan.lora is None:
+        if plan.lora is None and not is_peft(policy):
             self._copy = copy.deepcopy(policy).eval()
             for p in self._copy.parameters():
                 p.requires_grad_(False)

@@ -17,9 +17,9 @@ gradient equals the one-batch gradient), ``dtype`` (base weights; adapters stay 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_engine.config import FrozenModel
 
@@ -35,11 +35,43 @@ class LoRA(FrozenModel):
     """
 
     r: int = Field(16, description="Adapter rank.")
-    alpha: float = Field(32.0, description="Scaling numerator: the update is (alpha / r) * B @ A.")
+    alpha: float = Field(None, description="Scaling numerator: the update is (alpha / r) * B @ A (default 2 * r).")
     dropout: float = Field(0.0, description="Dropout on the adapter input (0 keeps log-probs exact).")
     target_modules: str | list[str] = Field(
         "all-linear", description="Module names to adapt, or 'all-linear' (every linear layer but the lm_head)."
     )
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_alpha(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("alpha") is None and isinstance(data.get("r", 16), int):
+            data = {**data, "alpha": 2.0 * data.get("r", 16)}  # one default everywhere: alpha = 2 r
+        return data
+
+    @classmethod
+    def from_peft(cls, config: Any) -> LoRA:
+        """The LoRA of a peft ``LoraConfig`` (rank, alpha, dropout, target modules); a setting this
+        plan cannot honour (DoRA, rsLoRA, per-layer ranks, biases, ...) is refused by name."""
+        from peft import LoraConfig
+
+        default = LoraConfig()
+        ours = {"r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "peft_type", "inference_mode",
+                "base_model_name_or_path", "revision", "auto_mapping"}
+        unsupported = {k: v for k, v in vars(config).items()
+                       if k not in ours and not k.startswith("_") and v != getattr(default, k, v)}
+        if config.bias not in (None, "none"):
+            unsupported["bias"] = config.bias
+        if unsupported:
+            raise ValueError(f"LoraConfig settings {unsupported} are not supported by MemoryPlan's LoRA (rank, alpha, "
+                             "dropout, target modules); drop them, or build the PeftModel yourself and pass it as the "
+                             "model with MemoryPlan(lora=None): it is then trained as it is")
+        if config.target_modules is None:
+            raise ValueError("LoraConfig(target_modules=None) leaves the choice to peft; name them, e.g. "
+                             "target_modules='all-linear' or ['q_proj', 'v_proj']")
+        modules = config.target_modules
+        return cls(r=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                   target_modules=modules if isinstance(modules, str) else sorted(modules))
 
 
 LoRA.field_rules = {
@@ -59,7 +91,8 @@ class MemoryPlan(FrozenModel):
         'adamw'
     """
 
-    lora: LoRA | None = Field(None, description="LoRA adapter settings; null trains every weight.")
+    lora: LoRA | None = Field(None, description="LoRA adapter settings (a LoRA, or a peft LoraConfig); null trains "
+                              "every weight, or the adapters of a PeftModel passed as the model.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
     quantization: Literal["nf4"] | None = Field(
         None, description="nf4: 4-bit NF4 frozen base under LoRA (QLoRA; needs lora). null: base in dtype."
@@ -97,6 +130,14 @@ class MemoryPlan(FrozenModel):
         256, description="Tokens per lm_head/log-softmax chunk; bounds the logits memory to chunk x vocab "
         "floats (256 x 151,936 x 4 B = 156 MB for a Qwen2.5 vocabulary)."
     )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _peft_config(cls, value: Any) -> Any:
+        """A peft ``LoraConfig`` is taken as the LoRA it describes (``LoRA.from_peft``)."""
+        if type(value).__name__ == "LoraConfig" and type(value).__module__.startswith("peft"):
+            return LoRA.from_peft(value)
+        return value
 
     @model_validator(mode="after")
     def _check_combinations(self) -> MemoryPlan:

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from grpo_engine.ops.groups import group_zscore
 from grpo_engine.protocols import RewardFn, RewardTransform
-from grpo_engine.rewards.base import Reward, RewardError
+from grpo_engine.rewards.base import RewardError
+from grpo_engine.rewards.function import FunctionReward
 from grpo_engine.types import Prompt, Requirements, RewardOutput, RolloutBatch
 
 __all__ = ["WeightedSum", "RewardTimeout"]
@@ -36,6 +37,13 @@ __all__ = ["WeightedSum", "RewardTimeout"]
 
 class RewardTimeout(RewardError):
     """A reward did not return within the per-batch timeout."""
+
+
+def _as_reward(reward: object) -> object:
+    """A plain function (no ``name`` / ``weight``) wrapped as a :class:`FunctionReward`."""
+    if callable(reward) and not hasattr(reward, "weight") and not hasattr(reward, "score_rollout"):
+        return FunctionReward(reward)
+    return reward
 
 
 def _within(run, timeout_s: float | None, name: str, n: int):
@@ -91,7 +99,7 @@ class WeightedSum:
     def __init__(self, rewards: Sequence[RewardFn | RewardTransform], *, normalize: Normalize = "after_sum",
                  timeout_s: float | None = None, on_error: Literal["raise", "zero"] = "raise") -> None:
         self.transforms: tuple[RewardTransform, ...] = tuple(r for r in rewards if isinstance(r, RewardTransform))
-        rewards = tuple(r for r in rewards if not isinstance(r, RewardTransform))
+        rewards = tuple(_as_reward(r) for r in rewards if not isinstance(r, RewardTransform))
         if not rewards:
             raise ValueError(
                 "WeightedSum needs at least one reward; pass e.g. WeightedSum([MathAccuracy()])"
@@ -202,8 +210,11 @@ class WeightedSum:
             scores = scores.to(device=total.device, dtype=torch.float32).view(b, g)
             breakdown[reward.name] = scores
             if self.normalize == "each":
+                if scores.isnan().any():
+                    raise RewardError(f"reward {reward.name!r} returned None for some samples, which normalize='each' "
+                                      "cannot z-score; use normalize='after_sum'")
                 scores = group_zscore(scores, 1e-6, "WeightedSum")
-            total = total + float(reward.weight) * scores
+            total = total + float(reward.weight) * scores.nan_to_num(nan=0.0)  # None: left out of the sum
         return RewardOutput(total=total, breakdown=breakdown, errors=errors)
 
     def _scores(self, reward: RewardFn, batch: RolloutBatch) -> tuple[Tensor, int]:
@@ -247,7 +258,10 @@ class WeightedSum:
                 f"reward {name!r} returned dtype {scores.dtype}; expected a floating dtype "
                 "(torch.float32); convert with .float()"
             )
-        bad = torch.nonzero(~torch.isfinite(scores)).flatten()
+        finite = torch.isfinite(scores)
+        if getattr(reward, "allows_none", False):
+            finite |= torch.isnan(scores)  # None: the reward does not apply to that sample
+        bad = torch.nonzero(~finite).flatten()
         if bad.numel():
             raise RewardError(
                 f"reward {name!r} returned non-finite scores at samples {bad[:8].tolist()} "

@@ -1,0 +1,118 @@
+"""Logging backends as callbacks: every step's metrics to TensorBoard, Weights & Biases or trackio.
+
+``metrics.jsonl`` is always written; these add a backend. ``GRPOConfig(report_to=["tensorboard"])``
+appends the callbacks after the user's own, so they see every metric a callback adds (``eval/*``).
+Each backend is an optional extra (``pip install grpo_engine[tensorboard]``, ``[wandb]``,
+``[trackio]``), imported only when its callback starts. Metric names are ours (``reward/mean``,
+``zero_std_fraction``...); docs/from_trl.md maps them to TRL's.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from grpo_engine.callbacks import Callback, TrainerControl, TrainerState
+
+__all__ = ["TensorBoardLogger", "WandbLogger", "TrackioLogger", "BACKENDS", "report_callbacks"]
+
+
+def _require(module: str, extra: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"report_to={extra!r} needs the {module} package: pip install 'grpo_engine[{extra}]' "
+                          f"(or pip install {module})") from exc
+
+
+def _run_config(trainer: Any) -> dict[str, Any]:
+    return {"config": trainer.config.model_dump(mode="json"), "memory": trainer.memory.model_dump(mode="json")}
+
+
+class TensorBoardLogger(Callback):
+    """Writes every step's metrics as TensorBoard scalars (``<output_dir>/tensorboard`` by default).
+
+    Example:
+        >>> # GRPOTrainer(..., callbacks=[TensorBoardLogger()]); tensorboard --logdir runs/grpo/tensorboard
+    """
+
+    def __init__(self, log_dir: str | Path | None = None) -> None:
+        self.log_dir, self.writer = log_dir, None
+
+    def on_train_start(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
+        _require("tensorboard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.log_dir or Path(state.output_dir) / "tensorboard"))
+
+    def on_step_end(self, trainer: Any, state: TrainerState, control: TrainerControl, *,
+                    metrics: dict[str, float]) -> None:
+        if self.writer is None:  # a loop over step() without train(): start on the first step
+            self.on_train_start(trainer, state, control)
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=state.step)
+        self.writer.flush()
+
+    def on_train_end(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class WandbLogger(Callback):
+    """Logs every step's metrics to Weights & Biases (``WANDB_MODE=offline`` keeps the run on disk).
+
+    Args:
+        project: the W&B project; extra keyword arguments go to ``wandb.init`` (``name``, ``tags``...).
+    """
+
+    def __init__(self, project: str = "grpo_engine", **init_kwargs: Any) -> None:
+        self.project, self.init_kwargs, self.run = project, init_kwargs, None
+
+    def on_train_start(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
+        wandb = _require("wandb", "wandb")
+        self.run = wandb.init(project=self.project, dir=state.output_dir, config=_run_config(trainer),
+                              **self.init_kwargs)
+
+    def on_step_end(self, trainer: Any, state: TrainerState, control: TrainerControl, *,
+                    metrics: dict[str, float]) -> None:
+        if self.run is None:
+            self.on_train_start(trainer, state, control)
+        self.run.log(dict(metrics), step=state.step)
+
+    def on_train_end(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+class TrackioLogger(Callback):
+    """Logs every step's metrics to trackio (Hugging Face's local-first tracker; ``trackio show``)."""
+
+    def __init__(self, project: str = "grpo_engine", **init_kwargs: Any) -> None:
+        self.project, self.init_kwargs, self.run = project, init_kwargs, None
+
+    def on_train_start(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
+        trackio = _require("trackio", "trackio")
+        self.run = trackio.init(project=self.project, config=_run_config(trainer), **self.init_kwargs)
+        self._trackio = trackio
+
+    def on_step_end(self, trainer: Any, state: TrainerState, control: TrainerControl, *,
+                    metrics: dict[str, float]) -> None:
+        if self.run is None:
+            self.on_train_start(trainer, state, control)
+        self._trackio.log(dict(metrics), step=state.step)
+
+    def on_train_end(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
+        if self.run is not None:
+            self._trackio.finish()
+            self.run = None
+
+
+BACKENDS = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "trackio": TrackioLogger}
+
+
+def report_callbacks(names: list[str]) -> list[Callback]:
+    """One logger callback per backend name of ``GRPOConfig.report_to``."""
+    return [BACKENDS[name]() for name in names]
