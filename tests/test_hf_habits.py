@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -69,6 +67,8 @@ def test_to_prompts_reads_trl_conversations_maps_columns_and_reports_every_bad_r
     assert p.metadata == {"solution": 2, "source": "data", "index": 0}
     assert to_prompts([{"q": "2+2?", "a": 4}], question="q", answer="a")[0].target == "4"
     assert to_prompts([Prompt("x")]) == [Prompt("x")]
+    streamed = Dataset.from_dict({"question": ["a?", "b?"], "target": [1, 2]}).to_iterable_dataset()
+    assert [(p.question, p.target) for p in to_prompts(streamed)] == [("a?", "1"), ("b?", "2")]
     with pytest.raises(DataError) as info:
         to_prompts([{"prompt": "ok", "answer": "1"}, {"prompt": "", "answer": "1"}, {"prompt": "q", "answer": None},
                      {"prompt": "q", "answer": {"a": 1}}, "text"])
@@ -228,30 +228,50 @@ def test_tensorboard_events_hold_every_logged_metric(tmp_path):
         assert [s.value for s in scalars] == pytest.approx([h[key] for h in history], rel=1e-6)
 
 
-def test_wandb_and_trackio_receive_each_step(tmp_path, monkeypatch):
-    calls = []
+def wandb_history(run_file: Path) -> list[dict]:
+    """The history rows of an offline W&B run file (its record log: 7-byte header, then 32 KiB blocks of
+    records with a 7-byte header each: checksum, length, kind)."""
+    from wandb.proto import wandb_internal_pb2
 
-    class Run:
-        def log(self, metrics, step):
-            calls.append(("wandb.log", step, metrics["loss"]))
+    data, pos, pending, rows = run_file.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # block trailer
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or its last fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
 
-        def finish(self):
-            calls.append(("wandb.finish",))
 
-    wandb = types.SimpleNamespace(init=lambda **kw: calls.append(("wandb.init", kw["project"], kw["dir"])) or Run())
-    trackio = types.SimpleNamespace(init=lambda **kw: calls.append(("trackio.init", sorted(kw["config"]))) or "run",
-                                    log=lambda metrics, step: calls.append(("trackio.log", step)),
-                                    finish=lambda: calls.append(("trackio.finish",)))
-    monkeypatch.setitem(sys.modules, "wandb", wandb)
-    monkeypatch.setitem(sys.modules, "trackio", trackio)
+def test_wandb_offline_and_trackio_local_runs_hold_every_step(tmp_path, monkeypatch):
+    import sqlite3
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tok = char_tokenizer()
     trainer = GRPOTrainer(tiny_llama(len(tok)), [DigitShare()], PROMPTS,
-                          GRPOConfig(output_dir=str(tmp_path), report_to=["wandb", "trackio"], **SMALL),
-                          tokenizer=tok, template=TEMPLATE)
+                          GRPOConfig(output_dir=str(tmp_path), report_to=["wandb", "trackio"],
+                                     **{**SMALL, "max_steps": 2}), tokenizer=tok, template=TEMPLATE)
     history = trainer.train()
-    assert calls == [("wandb.init", "grpo_engine", str(tmp_path)), ("trackio.init", ["config", "memory"]),
-                     ("wandb.log", 1, history[0]["loss"]), ("trackio.log", 1), ("wandb.finish",),
-                     ("trackio.finish",)]
+    rows = wandb_history(next(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
+    assert [row["_step"] for row in rows] == [1, 2]
+    assert [row["loss"] for row in rows] == pytest.approx([h["loss"] for h in history], rel=1e-6)
+    assert [row["reward/digit_share/mean"] for row in rows] == pytest.approx(
+        [h["reward/digit_share/mean"] for h in history], rel=1e-6)
+    with sqlite3.connect(tmp_path / "trackio" / "grpo_engine.db") as db:
+        logged = db.execute("select step, metrics from metrics order by step").fetchall()
+    assert [step for step, _ in logged] == [1, 2]
+    assert [json.loads(m)["loss"] for _, m in logged] == pytest.approx([h["loss"] for h in history], rel=1e-6)
 
 
 # -- export -------------------------------------------------------------------------------------------------------
