@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from pathlib import Path
 
 import pytest
@@ -258,18 +259,30 @@ def test_wandb_offline_and_trackio_local_runs_hold_every_step(tmp_path, monkeypa
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from grpo_engine.report import TrackioLogger, WandbLogger, report_callbacks
+
+    assert [type(c) for c in report_callbacks(["wandb", "trackio"])] == [WandbLogger, TrackioLogger]
+
+    project = f"grpo_engine_test_{uuid.uuid4().hex[:8]}"  # trackio reads TRACKIO_DIR once, when first imported
     tok = char_tokenizer()
     trainer = GRPOTrainer(tiny_llama(len(tok)), [DigitShare()], PROMPTS,
-                          GRPOConfig(output_dir=str(tmp_path), report_to=["wandb", "trackio"],
-                                     **{**SMALL, "max_steps": 2}), tokenizer=tok, template=TEMPLATE)
+                          GRPOConfig(output_dir=str(tmp_path), **{**SMALL, "max_steps": 2}), tokenizer=tok,
+                          template=TEMPLATE, callbacks=[WandbLogger(), TrackioLogger(project=project)])
     history = trainer.train()
     rows = wandb_history(next(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
     assert [row["_step"] for row in rows] == [1, 2]
     assert [row["loss"] for row in rows] == pytest.approx([h["loss"] for h in history], rel=1e-6)
     assert [row["reward/digit_share/mean"] for row in rows] == pytest.approx(
         [h["reward/digit_share/mean"] for h in history], rel=1e-6)
-    with sqlite3.connect(tmp_path / "trackio" / "grpo_engine.db") as db:
-        logged = db.execute("select step, metrics from metrics order by step").fetchall()
+    from trackio.sqlite_storage import SQLiteStorage
+
+    db_path = SQLiteStorage.get_project_db_path(project)
+    try:
+        with sqlite3.connect(db_path) as db:
+            logged = db.execute("select step, metrics from metrics order by step").fetchall()
+    finally:
+        for leftover in db_path.parent.glob(f"{project}.*"):
+            leftover.unlink()
     assert [step for step, _ in logged] == [1, 2]
     assert [json.loads(m)["loss"] for _, m in logged] == pytest.approx([h["loss"] for h in history], rel=1e-6)
 
