@@ -37,6 +37,9 @@ class TrainerState:
         temperature: the sampling temperature in force.
         output_dir: the run folder.
         skipped_steps: steps skipped for non-finite rewards, advantages, loss or gradients.
+        process_index, num_processes: this process's rank and the number of ranks (data parallel
+            under ``torchrun``; 0 and 1 otherwise). Callbacks run on every rank and see the whole
+            step's batch and metrics; one that writes or evaluates checks ``is_world_process_zero``.
     """
 
     step: int = 0
@@ -45,6 +48,13 @@ class TrainerState:
     temperature: float = 1.0
     output_dir: str = ""
     skipped_steps: int = 0
+    process_index: int = 0
+    num_processes: int = 1
+
+    @property
+    def is_world_process_zero(self) -> bool:
+        """Whether this is rank 0, the process that logs, evaluates and writes."""
+        return self.process_index == 0
 
 
 @dataclass
@@ -98,7 +108,8 @@ class Callback:
 class HeldOutEval(Callback):
     """Greedy pass@1 on held-out prompts every ``every_steps`` steps (or when a callback sets
     ``control.should_evaluate``), added to that step's metrics as ``eval/pass@1`` (and
-    ``time/eval_s``). Its time is not counted in ``train_seconds``.
+    ``time/eval_s``). Its time is not counted in ``train_seconds``. Under data parallel rank 0
+    evaluates.
 
     Args:
         prompts: the held-out prompts.
@@ -122,8 +133,8 @@ class HeldOutEval(Callback):
 
     def on_step_end(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl, *,
                     metrics: dict[str, Any]) -> None:
-        if state.step % self.every_steps and not control.should_evaluate:
-            return
+        if (state.step % self.every_steps and not control.should_evaluate) or not state.is_world_process_zero:
+            return  # rank 0 evaluates; the trainer hands its metrics to the other ranks
         start = time.perf_counter()
         metrics.update(trainer.evaluate(self.prompts, reward=self.reward, max_new_tokens=self.max_new_tokens))
         metrics["time/eval_s"] = time.perf_counter() - start

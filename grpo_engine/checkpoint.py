@@ -322,9 +322,12 @@ def restore(trainer: Any, resume: Resume) -> Path:
         FileNotFoundError: no checkpoint there.
         ResumeError: a setting or component differs from the saved run's (each one named).
     """
-    output_dir = Path(trainer.config.output_dir)
-    clean_leftovers(output_dir)
-    folder = latest_checkpoint(output_dir) if str(resume.path) == "latest" else Path(resume.path)
+    output_dir, world = Path(trainer.config.output_dir), trainer.world
+    folder = None
+    if world.is_main:  # rank 0 tidies the folder and picks the checkpoint every rank loads
+        clean_leftovers(output_dir)
+        folder = latest_checkpoint(output_dir) if str(resume.path) == "latest" else Path(resume.path)
+    folder = world.broadcast(folder)
     if folder is None or not (folder / STATE_FILE).is_file():
         where = f"in {output_dir}" if folder is None else f"at {folder}"
         raise FileNotFoundError(f"no trainer checkpoint {where} to resume from (a checkpoint folder holds "
@@ -348,7 +351,9 @@ def restore(trainer: Any, resume: Resume) -> Path:
     trainer.set_temperature(summary["temperature"])
     trainer._skipped_in_a_row, trainer._warned_zero_std = state["skipped_in_a_row"], state["warned_zero_std"]
     _set_rng_states(state["rng"])
-    _truncate_metrics(output_dir / "metrics.jsonl", summary["step"])
+    if world.is_main:
+        _truncate_metrics(output_dir / "metrics.jsonl", summary["step"])
+    world.barrier()
     return folder
 
 

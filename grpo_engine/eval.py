@@ -17,13 +17,12 @@ evaluation never changes the caller's random state; samples reproduce for the sa
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -35,7 +34,7 @@ from torch import nn
 from grpo_engine.data.templates import PromptTemplate, default_template
 from grpo_engine.ops.answers import answers_equal, final_answer
 from grpo_engine.protocols import RewardFn
-from grpo_engine.sampling.decode import TokenDraw, completion_mask_from_ids, decode, is_decoder_lm
+from grpo_engine.sampling.decode import TokenDraw, completion_mask_from_ids, decode, is_decoder_lm, seeded_rng
 from grpo_engine.sampling.hf import HFSampler, resolve_decoding
 from grpo_engine.sampling.static import decode_static
 from grpo_engine.types import Prompt
@@ -262,19 +261,6 @@ class EvalReport:
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-@contextlib.contextmanager
-def _seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """Seeds the CPU RNG (and the model's GPU) for the block and restores them afterwards."""
-    cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
-        if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-        torch.random.default_generator.manual_seed(seed)
-        for index in cuda:
-            with torch.cuda.device(index):
-                torch.cuda.manual_seed(seed)
-        yield
-
-
 @torch.no_grad()
 def _greedy_completions(model: nn.Module, encoder: HFSampler, prompts: Sequence[Prompt],
                         max_new_tokens: int) -> list[str]:
@@ -417,7 +403,7 @@ def evaluate(
                 bar.update(len(chunk))
         if sample:
             per_call = max(1, batch_size // k)
-            with _seeded(seed, next(model.parameters()).device):
+            with seeded_rng(seed, next(model.parameters()).device):
                 for i in range(0, len(prompts), per_call):
                     chunk = prompts[i:i + per_call]
                     texts = list(sampler.sample(chunk, group_size=k).texts)

@@ -77,6 +77,19 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class NullLogger:
+    """:class:`MetricsLogger`'s stand-in on the ranks other than 0 (data parallel): records nothing."""
+
+    def __enter__(self) -> NullLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def log(self, step: int, metrics: dict[str, Any], *, write: bool = True) -> None:
+        """Does nothing: rank 0 logs the step."""
+
+
 class StageTimer:
     """Wall-clock seconds per stage of a step: ``with timer("sample"): ...``; ``seconds()`` gives
     ``time/<stage>_s`` for every stage and ``time/step_s`` since the timer was made."""

@@ -9,7 +9,9 @@
     6. optimizer step and metrics; callbacks (evaluation, controllers, user code) run after
 
 No algorithm math lives here: the trainer moves tensors between components, reduces metrics,
-logs them and calls the callbacks (grpo_engine.callbacks).
+logs them and calls the callbacks (grpo_engine.callbacks). Under torchrun each rank samples and trains
+its share of the step's prompts and sees the whole step's batch, rewards and metrics
+(grpo_engine.distributed); one process is the case of one rank.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from grpo_engine.data.checks import check_prompts
 from grpo_engine.data.records import to_prompts
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.data.templates import PromptTemplate
+from grpo_engine.distributed import World
 from grpo_engine.eval import evaluate
-from grpo_engine.logging import MetricsLogger, StageTimer, rollout_metrics
+from grpo_engine.logging import MetricsLogger, NullLogger, StageTimer, rollout_metrics
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.memory.apply import (
@@ -118,10 +121,16 @@ class GRPOTrainer:
     ) -> None:
         self.config = config = config if config is not None else GRPOConfig()
         self.memory = memory = memory if memory is not None else MemoryPlan()
+        self.world = world = World.current()  # this process's rank under torchrun (one process: rank 0 of 1)
+        world.check_prompts_per_step(config.prompts_per_step)
         torch.manual_seed(config.seed)
         if isinstance(model, (str, Path)):
             model, loaded_tokenizer = load_model(model, plan=memory)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+            if memory.quantization is None and world.device.type == "cuda":
+                model = model.to(world.device)  # a 4-bit model was loaded onto it already
+        elif world.size > 1 and next(model.parameters()).device.type == "cuda":
+            model = model.to(world.device)  # each rank's model on its own GPU
         if tokenizer is None:
             raise ValueError("a model object needs its tokenizer: pass GRPOTrainer(model, ..., tokenizer=tokenizer)")
         self.tokenizer, self.template = tokenizer, template
@@ -144,15 +153,23 @@ class GRPOTrainer:
                     entropy is not None and entropy.requires_sampler_logprobs))
         self.prompts: PromptSource = self._checked_prompts(prompts, default if default is not None else sampler)
         if isinstance(sampler, SamplerWrapper):
+            if world.size > 1:
+                raise ValueError(f"{type(sampler).__name__} does not run under data parallel yet (its rounds of "
+                                 f"sampling would differ between the {world.size} ranks); run it in one process, "
+                                 "or train without it")
             sampler = sampler.bind(default, self.rewards, self.prompts)
         self.sampler: Sampler = sampler if sampler is not None else default
+        if hasattr(self.sampler, "shard"):
+            self.sampler.shard = (world.rank, world.size)  # token draws keyed by the row's place in the step
         needs_reference = self.loss.requires.ref_logprobs or self.rewards.requires.ref_logprobs
         self.reference = ReferencePolicy(self.model, memory) if needs_reference else None
         self.callbacks = list(callbacks)
-        self._loggers = report_callbacks(config.report_to)  # after the user's callbacks: they see every metric
+        # after the user's callbacks (they see every metric); rank 0 alone reports
+        self._loggers = report_callbacks(config.report_to) if world.is_main else []
         self.state = TrainerState(max_steps=config.max_steps, temperature=config.temperature,
-                                  output_dir=config.output_dir)
+                                  output_dir=config.output_dir, process_index=world.rank, num_processes=world.size)
         self.control = TrainerControl()
+        world.broadcast_parameters(trainable_parameters(self.model))  # every rank starts from rank 0's weights
         self.optimizer = build_optimizer(self.model, memory, learning_rate=config.learning_rate,
                                          betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -190,18 +207,22 @@ class GRPOTrainer:
     def train(self) -> list[dict[str, float]]:
         """Runs ``config.max_steps`` steps (minus those already done, and stopping at ``max_train_seconds``
         or when a callback sets ``control.should_stop``); returns every step's metrics."""
-        cfg = self.config
+        cfg, world = self.config, self.world
         out = Path(cfg.output_dir)
-        if self.step_count == 0 and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size:
+        used = world.is_main and self.step_count == 0 and (out / "metrics.jsonl").is_file() and bool(
+            (out / "metrics.jsonl").stat().st_size)
+        if world.broadcast(used):  # rank 0 reads the folder, every rank stops
             raise FileExistsError(f"output_dir={str(out)!r} already holds a run (metrics.jsonl); a new run would "
                                   "mix its metrics with it and replace its saved model. Resume it with "
                                   "GRPOTrainer(..., resume_from='latest') (CLI: --resume), choose another "
                                   "output_dir, or move the old run away first")
-        checkpoint.clean_leftovers(out)  # an interrupted save's temporary folders
+        if world.is_main:
+            checkpoint.clean_leftovers(out)  # an interrupted save's temporary folders
         total = None if cfg.max_train_seconds else cfg.max_steps
         self._event("on_train_start")
-        with MetricsLogger(out, total_steps=total, progress_bar=cfg.progress_bar,
-                           initial_step=self.step_count) as logger:
+        logger = MetricsLogger(out, total_steps=total, progress_bar=cfg.progress_bar,
+                               initial_step=self.step_count) if world.is_main else NullLogger()
+        with logger:
             while self.step_count < cfg.max_steps and not self.control.should_stop:
                 if cfg.max_train_seconds is not None and self.train_seconds >= cfg.max_train_seconds:
                     break
@@ -210,7 +231,8 @@ class GRPOTrainer:
                 logger.log(self.step_count, metrics, write=write)  # an evaluation is never lost
                 if self.control.should_save or (cfg.save_every_steps and self.step_count % cfg.save_every_steps == 0):
                     self.save(out / f"checkpoint-{self.step_count}")
-                    checkpoint.prune_checkpoints(out, cfg.keep_last_checkpoints)
+                    if world.is_main:
+                        checkpoint.prune_checkpoints(out, cfg.keep_last_checkpoints)
                 self.control.should_save = False
         self.save(out / "final")
         self._event("on_train_end")
@@ -218,30 +240,35 @@ class GRPOTrainer:
 
     def step(self) -> dict[str, float]:
         """One optimizer step (``updates_per_batch`` of them on one rollout batch); returns its metrics."""
-        cfg, timer = self.config, StageTimer()
+        cfg, timer, world = self.config, StageTimer(), self.world
         temperature, lr = self.temperature, self.scheduler.get_last_lr()[0]
-        # 1. sample a group of completions for each prompt
+        # 1. sample a group of completions for each prompt (this rank's share of them)
         with timer("sample"), self._autocast():
-            batch = self.sampler.sample(self.prompts.next_batch(cfg.prompts_per_step), group_size=cfg.group_size)
+            prompts = self.prompts.next_batch(cfg.prompts_per_step)  # the whole step's, the same on every rank
+            batch = self.sampler.sample(world.shard(prompts), group_size=cfg.group_size)
         # 2. score (unless the sampler had to), and the per-group uncertainty; every group drawn is observed
         with timer("reward"):
             rewards = batch.rewards if batch.rewards is not None else self.rewards(batch)
             uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
-        self.prompts.observe(batch, rewards, uncertainty)
-        self._event("on_rollout", batch=batch, rewards=rewards, uncertainty=uncertainty)
-        batch, rewards, uncertainty = _trained_groups(batch, rewards, uncertainty)
+        whole, whole_rewards, whole_uncertainty = world.gather_step(prompts, batch, rewards, uncertainty)
+        self.prompts.observe(whole, whole_rewards, whole_uncertainty)
+        self._event("on_rollout", batch=whole, rewards=whole_rewards, uncertainty=whole_uncertainty)
+        batch, rewards, _ = _trained_groups(batch, rewards, uncertainty, world)
+        whole, whole_rewards, whole_uncertainty = _trained_groups(whole, whole_rewards, whole_uncertainty, world)
         # 3. old and reference log-probs, only when needed; then the reward transforms that need them
         with timer("logprobs"), self._autocast():
             old, ref = self._no_grad_logprobs(batch)
-        rewards = self.rewards.transform(rewards, batch, old_logprobs=old, ref_logprobs=ref)
+        transformed = self.rewards.transform(rewards, batch, old_logprobs=old, ref_logprobs=ref)
+        if transformed is not rewards:
+            whole_rewards = world.gather_rewards(transformed)
         old = old if cfg.updates_per_batch > 1 or self.loss.requires.old_logprobs else None
-        # 4. advantages (a step whose rewards or advantages are not finite is skipped, weights untouched)
-        advantages = self.advantage(rewards.total, uncertainty=uncertainty)
-        if tuple(advantages.shape) != tuple(rewards.total.shape):
+        # 4. advantages from the whole step (a step whose rewards or advantages are not finite is skipped)
+        advantages = self.advantage(whole_rewards.total, uncertainty=whole_uncertainty)
+        if tuple(advantages.shape) != tuple(whole_rewards.total.shape):
             raise ValueError(f"{type(self.advantage).__name__} returned advantages of shape {tuple(advantages.shape)}; "
-                             f"an AdvantageFn maps rewards [B, G]={tuple(rewards.total.shape)} to the same shape")
-        problem = guards.nonfinite_advantages(rewards, advantages)
-        advantages = advantages.reshape(-1)  # [N]
+                             f"an AdvantageFn maps rewards [B, G]={tuple(whole_rewards.total.shape)} to the same shape")
+        problem = guards.nonfinite_advantages(whole_rewards, advantages)
+        advantages = world.local_rows(advantages.reshape(-1))  # [N] this rank's rows
         # 5. micro-batched loss and backward, 6. optimizer step (mu times on this batch)
         loss_metrics: dict[str, float] = {}
         with timer("train"):
@@ -252,16 +279,18 @@ class GRPOTrainer:
         self._count_skipped(problem)
         self.state.step += 1
         seconds = timer.seconds()
+        seconds = dict(zip(seconds, world.max(seconds.values())))  # the slowest rank's: one clock for every rank
         self.state.train_seconds += seconds["time/step_s"]
         with warnings.catch_warnings():  # a skipped step calls no optimizer.step(): the schedule still advances
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
             self.scheduler.step()  # once per step, after the clock, which a time budget's decay reads
-        metrics = {**self._batch_metrics(batch, rewards), **batch.metrics, **loss_metrics, **seconds,
+        metrics = {**self._batch_metrics(whole, whole_rewards), **whole.metrics, **loss_metrics, **seconds,
                    "temperature": temperature, "lr": lr, "skipped_steps": float(self.state.skipped_steps)}
-        if uncertainty is not None:
-            metrics["entropy/semantic_mean"] = uncertainty.float().mean().item()
+        if whole_uncertainty is not None:
+            metrics["entropy/semantic_mean"] = whole_uncertainty.float().mean().item()
         metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
         self._event("on_step_end", metrics=metrics)
+        metrics = self._agree(metrics)
         self.history.append(metrics)
         return metrics
 
@@ -280,16 +309,20 @@ class GRPOTrainer:
 
     def save(self, path: str | Path) -> Path:
         """Saves the policy (the adapter under LoRA), the tokenizer, the run's config files and the
-        trainer state that ``resume_from`` continues from, durably; refuses non-finite weights."""
+        trainer state that ``resume_from`` continues from, durably; refuses non-finite weights. Under
+        data parallel every rank calls it and rank 0 writes (the ranks hold the same weights and state)."""
         bad = [name for name, p in self.model.named_parameters() if p.requires_grad and not p.isfinite().all()]
         if bad:
             raise ValueError(f"refusing to save {path}: {len(bad)} trained tensors hold NaN or inf (first: {bad[0]}); "
                              "the last complete checkpoint stays as it was")
-        state, summary = checkpoint.trainer_state(self)
-        extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml(),
-                  checkpoint.SUMMARY_FILE: json.dumps(summary, indent=1)}
-        saved = checkpoint.save_pretrained_atomic(self.model, self.tokenizer, path, extras,
-                                                  {checkpoint.STATE_FILE: state})
+        saved = Path(path)
+        if self.world.is_main:
+            state, summary = checkpoint.trainer_state(self)
+            extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml(),
+                      checkpoint.SUMMARY_FILE: json.dumps(summary, indent=1)}
+            saved = checkpoint.save_pretrained_atomic(self.model, self.tokenizer, path, extras,
+                                                      {checkpoint.STATE_FILE: state})
+        self.world.barrier()  # no rank moves on before the checkpoint is complete
         self._event("on_save", path=saved)
         return saved
 
@@ -318,6 +351,19 @@ class GRPOTrainer:
                              f"{type(prompts).__name__} given, which cannot lose prompts once built; pass the prompts "
                              "as a list, or filter them before building it")
         return prompts
+
+    def _agree(self, metrics: dict[str, float]) -> dict[str, float]:
+        """After the callbacks, every rank holds rank 0's metrics (its evaluation's too) and temperature,
+        and stops or saves when any rank's callbacks asked."""
+        if self.world.size == 1:
+            return metrics
+        control = self.control
+        asks = self.world.gather_objects((control.should_stop, control.should_save))
+        control.should_stop, control.should_save = (any(ask[i] for ask in asks) for i in range(2))
+        metrics, temperature = self.world.broadcast((metrics, self.temperature))
+        if temperature != self.temperature:
+            self.set_temperature(temperature)
+        return metrics
 
     def _count_skipped(self, problem: str | None) -> None:
         """Counts a skipped step, explains it, and stops the run after ``max_nonfinite_steps`` in a row."""
@@ -397,7 +443,9 @@ class GRPOTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self._bad_logprob_rows: list[tuple[Tensor, Tensor]] = []  # (rows, non-finite flags): read only on trouble
-        num_tokens, num_sequences = (int(c) for c in self.loss.counts(batch.completion_mask, batch.is_truncated))
+        world = self.world  # the counts, the gradient and the metrics are the whole step's (every rank's rows)
+        num_tokens, num_sequences = (int(c) for c in world.sum(self.loss.counts(batch.completion_mask,
+                                                                                 batch.is_truncated)))
         pass_entropy = self.loss.requires.entropy
         with_entropy = pass_entropy or self.config.log_token_entropy
         sums: dict[str, float] = dict.fromkeys(self._metric_keys, 0.0)
@@ -406,7 +454,7 @@ class GRPOTrainer:
         no_rows = torch.zeros(0, dtype=torch.long)
         try:
             rows = self._rows_to_train(advantages) if num_sequences and num_tokens else no_rows
-            trained_tokens = max(1, int(batch.completion_mask[rows].sum()))
+            trained_tokens = max(1, int(world.sum([batch.completion_mask[rows].sum()])[0]))
             for idx in rows.split(self.memory.micro_batch_size) if rows.numel() else ():
                 pid, pmask, cid, cmask = batch.trimmed(idx)
                 # forward and loss under autocast (mixed precision), backward outside it
@@ -438,8 +486,10 @@ class GRPOTrainer:
                     sums[key] = sums.get(key, 0.0) + value.detach()
         finally:
             self.model.eval()
-        self._metric_keys = tuple(sums)  # a step that trained no row still logs every key (as 0)
-        return {key: float(value) for key, value in sums.items()}
+        world.sum_gradients(trainable_parameters(self.model))
+        keys = tuple(dict.fromkeys(key for keys in world.gather_objects(tuple(sums)) for key in keys))
+        self._metric_keys = keys  # a step that trained no row still logs every key (as 0)
+        return dict(zip(keys, world.sum([float(sums.get(key, 0.0)) for key in keys])))
 
     def _can_record_old(self) -> bool:
         """Whether a training forward pass computes exactly the sampling policy's log-probs (no dropout)."""
@@ -482,11 +532,15 @@ class GRPOTrainer:
         return lr_factor(self.config, step, self.train_seconds)
 
 
-def _trained_groups(batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None
+def _trained_groups(batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None, world: World
                     ) -> tuple[RolloutBatch, RewardOutput, Tensor | None]:
     """The groups the sampler marked for training (all of them when it marked none)."""
     if batch.trained_groups is None or bool(batch.trained_groups.all()):
         return batch, rewards, uncertainty
+    if world.size > 1:
+        raise ValueError(f"{type(batch).__name__}.trained_groups dropped groups under data parallel ({world.size} "
+                         "ranks), which needs an equal share of rows on every rank; a sampler that filters groups "
+                         "runs in one process only")
     groups = batch.trained_groups.nonzero().flatten()
     batch, rewards = select_groups(batch, rewards, groups)
     return batch, rewards, uncertainty[groups.to(uncertainty.device)] if uncertainty is not None else None

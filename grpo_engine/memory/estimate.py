@@ -166,11 +166,26 @@ class Workload(FrozenModel):
         return self.prompts_per_step * self.group_size
 
     @classmethod
-    def from_config(cls, config: Any, *, prompt_tokens: int | None = None, kl: bool = False) -> Workload:
-        """From a ``GRPOConfig``: its B, G, and maximum prompt and completion lengths."""
+    def from_config(cls, config: Any, *, prompt_tokens: int | None = None, kl: bool = False,
+                    ranks: int = 1) -> Workload:
+        """From a ``GRPOConfig``: its B, G, and maximum prompt and completion lengths; with ``ranks``,
+        what one data-parallel rank processes (:meth:`per_rank`)."""
         return cls(prompts_per_step=config.prompts_per_step, group_size=config.group_size,
                    prompt_tokens=prompt_tokens or config.max_prompt_tokens,
-                   completion_tokens=config.max_completion_tokens, kl=kl)
+                   completion_tokens=config.max_completion_tokens, kl=kl).per_rank(ranks)
+
+    def per_rank(self, ranks: int) -> Workload:
+        """What one of ``ranks`` data-parallel ranks processes: B / ranks prompts (each rank also holds
+        the whole model, its gradients and optimizer state, so only the rows' memory shrinks).
+
+        Example:
+            >>> Workload(prompts_per_step=8, group_size=8).per_rank(4).rows
+            16
+        """
+        if ranks < 1 or self.prompts_per_step % ranks:
+            raise ValueError(f"prompts_per_step={self.prompts_per_step} does not split across ranks={ranks}: each "
+                             "rank samples an equal share of the prompts; use a multiple of the number of ranks")
+        return self.model_copy(update={"prompts_per_step": self.prompts_per_step // ranks})
 
 
 Workload.field_rules = {

@@ -12,12 +12,15 @@
   of ``torch.multinomial`` (1 ms against 33 ms per 32 x 49,152 draw on 2 CPU cores), fixed shapes and no
   host synchronisation, so it can run inside a CUDA graph.
 - The uniforms of a step are drawn for every row, running or not, so the dynamic loop and the static
-  path consume the random stream identically and draw the same tokens.
+  path consume the random stream identically and draw the same tokens. Under data parallel they are
+  drawn for every row of the whole step and each rank takes its own (``row_offset``, ``total_rows``),
+  so K ranks draw the tokens one process would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +29,7 @@ from torch import Tensor, nn
 from grpo_engine.logprobs import kv_cache, position_ids_from_mask
 
 __all__ = ["TokenDraw", "PhaseClock", "categorical", "sample_categorical", "inverse_cdf", "decode", "is_decoder_lm",
-           "completion_mask_from_ids", "draw_uniforms", "BAD_DISTRIBUTION"]
+           "completion_mask_from_ids", "draw_uniforms", "seeded_rng", "BAD_DISTRIBUTION"]
 
 BLOCK = 256  # token ids per block of the two-level draw
 BAD_DISTRIBUTION = ("sampling got a row of probabilities that sums to zero or holds NaN/inf: the model's logits hold "
@@ -47,9 +50,44 @@ def inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, target).squeeze(-1)
 
 
-def draw_uniforms(rows: int, device: torch.device | str) -> Tensor:
-    """[rows, 2] float64 uniforms in (0, 1]: the random input of one :func:`categorical` draw per row."""
-    return 1.0 - torch.rand(rows, 2, dtype=torch.float64, device=device)
+def draw_uniforms(rows: int, device: torch.device | str, *, row_offset: int = 0, total_rows: int | None = None
+                  ) -> Tensor:
+    """[rows, 2] float64 uniforms in (0, 1]: the random input of one :func:`categorical` draw per row.
+
+    With ``total_rows``, uniforms are drawn for all ``total_rows`` rows and rows ``row_offset ..
+    row_offset + rows - 1`` are returned: a rank's share of a draw for the whole step.
+
+    Example:
+        >>> _ = torch.manual_seed(0); whole = draw_uniforms(4, "cpu")
+        >>> _ = torch.manual_seed(0); torch.equal(draw_uniforms(2, "cpu", row_offset=2, total_rows=4), whole[2:])
+        True
+    """
+    total = rows if total_rows is None else total_rows
+    if not 0 <= row_offset <= total - rows:
+        raise ValueError(f"draw_uniforms: rows {row_offset}..{row_offset + rows - 1} are not within the "
+                         f"{total} rows of the draw")
+    return 1.0 - torch.rand(total, 2, dtype=torch.float64, device=device)[row_offset:row_offset + rows]
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Seeds the CPU RNG (and ``device``'s, when a GPU) for the block and restores both afterwards.
+
+    Example:
+        >>> with seeded_rng(3, torch.device("cpu")):
+        ...     a = torch.rand(1)
+        >>> with seeded_rng(3, torch.device("cpu")):
+        ...     torch.equal(a, torch.rand(1))
+        True
+    """
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        for index in cuda:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def categorical(probs: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
@@ -199,10 +237,12 @@ def _prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int) -> dict:
 
 @torch.no_grad()
 def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
-           eos_ids: Sequence[int], pad_id: int, draw: TokenDraw,
-           clock: PhaseClock | None = None) -> tuple[Tensor, Tensor | None]:
+           eos_ids: Sequence[int], pad_id: int, draw: TokenDraw, clock: PhaseClock | None = None,
+           row_offset: int = 0, total_rows: int | None = None) -> tuple[Tensor, Tensor | None]:
     """Completions of the left-padded prompts ``ids`` / ``mask`` [B, P], each repeated ``repeats``
     times (rows ``b*repeats ..`` belong to prompt b), one token per step chosen by ``draw``.
+    ``row_offset`` / ``total_rows``: these rows' place among all the rows of the step (data parallel),
+    whose uniforms every step draws (:func:`draw_uniforms`).
 
     Returns:
         ids [B*repeats, C] (``pad_id`` after a row's EOS token, which is kept) and the log-probs
@@ -229,7 +269,8 @@ def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new
     for t in range(max_new_tokens):
         out = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None], use_cache=True,
                     logits_to_keep=1, **cache)
-        u = draw_uniforms(n, device)[rows] if draw.needs_uniforms else None  # every row's, as the static path
+        u = (draw_uniforms(n, device, row_offset=row_offset, total_rows=total_rows)[rows]  # every row's, as static
+             if draw.needs_uniforms else None)
         token, logprobs, ok = draw(out.logits[:, -1], u)
         if not ok.all():
             raise ValueError(BAD_DISTRIBUTION)

@@ -27,7 +27,14 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from grpo_engine.data.templates import PromptTemplate, default_template
-from grpo_engine.sampling.decode import PhaseClock, TokenDraw, completion_mask_from_ids, decode, is_decoder_lm
+from grpo_engine.sampling.decode import (
+    PhaseClock,
+    TokenDraw,
+    completion_mask_from_ids,
+    decode,
+    is_decoder_lm,
+    seeded_rng,
+)
 from grpo_engine.sampling.merge import check_mergeable, merged_lora
 from grpo_engine.sampling.static import decode_static, supports_static
 from grpo_engine.types import Prompt, RolloutBatch
@@ -121,6 +128,11 @@ class HFSampler:
         decoding: ``"auto"``, ``"dynamic"``, ``"static"``, ``"compiled"`` or ``"cuda_graph"`` (see
             the module docstring and :func:`resolve_decoding`).
 
+    Each ``sample()`` call takes one number from torch's global RNG (so ``torch.manual_seed`` fixes the
+    samples) and seeds its token draws with it, each step drawing for every row of the step. Under data
+    parallel, ``shard = (rank, ranks)`` places this call's rows among the step's (every rank sampling an
+    equal share), so K ranks draw the tokens one process draws for the whole step.
+
     After each ``sample()`` call, ``last_decoding`` holds the path that ran (and, if a CUDA graph
     could not be captured, why), and ``last_clock`` the prefill / decode times (``seconds()``).
 
@@ -159,6 +171,7 @@ class HFSampler:
         if decoding not in DECODING_PATHS:
             raise ValueError(f"decoding={decoding!r} is not one of {', '.join(DECODING_PATHS)}; use 'auto'")
         self.decoding = decoding
+        self.shard = (0, 1)  # (rank, ranks) of a data-parallel step: set by the trainer
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
         self.last_decoding: dict = {}  # the last call's decoding path ("path"), and a CUDA-graph capture error
         self.last_truncated, self._warned_truncation = 0, False  # prompts cut to max_prompt_tokens
@@ -236,15 +249,19 @@ class HFSampler:
                     args = (self.model, ids if shared else prompt_ids, mask if shared else prompt_mask)
                     self.last_clock = PhaseClock(device)
                     self.last_clock.mark("start")
+                    rank, ranks = self.shard
                     kwargs = dict(repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
                                   eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw(),
-                                  clock=self.last_clock)
+                                  clock=self.last_clock, row_offset=rank * len(prompt_ids),
+                                  total_rows=ranks * len(prompt_ids))
                     self.last_decoding = {"path": path, "capture_error": None}
-                    if path == "dynamic":
-                        completion_ids, logprobs = decode(*args, **kwargs)
-                    else:
-                        completion_ids, logprobs = decode_static(
-                            *args, **kwargs, mode="eager" if path == "static" else path, info=self.last_decoding)
+                    seed = int(torch.randint(0, 2**62, ()))  # the call's draws depend on it alone
+                    with seeded_rng(seed, device):
+                        if path == "dynamic":
+                            completion_ids, logprobs = decode(*args, **kwargs)
+                        else:
+                            completion_ids, logprobs = decode_static(
+                                *args, **kwargs, mode="eager" if path == "static" else path, info=self.last_decoding)
                 else:
                     completion_ids, logprobs = self._generate(prompt_ids, prompt_mask)
         finally:

@@ -168,13 +168,17 @@ class StaticDecoder:
         max_new_tokens: C, the completion budget.
         eos_ids, pad_id: the ids that end a row, and the id written after its end.
         draw: the token draw.
+        row_offset, total_rows: these rows' place among the step's rows (data parallel).
     """
 
     def __init__(self, model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
-                 eos_ids: Sequence[int], pad_id: int, draw: TokenDraw) -> None:
+                 eos_ids: Sequence[int], pad_id: int, draw: TokenDraw, row_offset: int = 0,
+                 total_rows: int | None = None) -> None:
         self.model, self.draw, self.pad_id = model, draw, pad_id
         self.inputs = (ids, mask)
-        self.options = dict(repeats=repeats, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, draw=draw)
+        self.options = dict(repeats=repeats, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, draw=draw,
+                            row_offset=row_offset, total_rows=total_rows)
+        self.row_offset, self.total_rows = row_offset, total_rows
         device = ids.device
         b, p = ids.shape
         n = b * repeats
@@ -235,7 +239,8 @@ class StaticDecoder:
     def fill_uniforms(self) -> None:
         """This step's uniforms for every row (inside the graph under ``cuda_graph``)."""
         if self.draw.needs_uniforms:
-            self.u.copy_(draw_uniforms(self.rows, self.u.device))
+            self.u.copy_(draw_uniforms(self.rows, self.u.device, row_offset=self.row_offset,
+                                       total_rows=self.total_rows))
 
     def step(self) -> None:
         """Feeds ``token`` at ``cache.slot``, draws the next token into column ``t``; every read and
@@ -301,7 +306,8 @@ def _capture(decoder: StaticDecoder) -> torch.cuda.CUDAGraph:
 def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
                   eos_ids: Sequence[int], pad_id: int, draw: TokenDraw, mode: Mode = "eager",
                   check_every: int | None = None, clock: PhaseClock | None = None,
-                  info: dict | None = None) -> tuple[Tensor, Tensor | None]:
+                  info: dict | None = None, row_offset: int = 0, total_rows: int | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
     """Completions of the left-padded prompts ``ids`` / ``mask`` [B, P], each repeated ``repeats``
     times, on the static path; same contract as :func:`grpo_engine.sampling.decode.decode`.
 
@@ -313,6 +319,7 @@ def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, 
         clock: marked "prefill" once the cache is filled (and the graph captured), "decode" at the end.
         info: when given, filled with ``path`` (the mode that ran) and ``capture_error`` (why a CUDA
             graph could not be captured, or None).
+        row_offset, total_rows: these rows' place among the step's rows (data parallel), as in ``decode``.
 
     Raises:
         ValueError: a step's logits were not a distribution (checked at the host checks).
@@ -322,7 +329,7 @@ def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, 
                          "'compiled' on the CPU")
     check_every = check_every or (16 if ids.device.type == "cuda" else 1)
     decoder = StaticDecoder(model, ids, mask, repeats=repeats, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                            pad_id=pad_id, draw=draw)
+                            pad_id=pad_id, draw=draw, row_offset=row_offset, total_rows=total_rows)
     graph, ran, capture_error = None, mode, None
     if mode == "cuda_graph":
         try:

@@ -1,0 +1,283 @@
+"""Data parallel under ``torchrun``: which process this is, and the few collectives a step needs.
+
+Every rank holds the whole policy. Each step, every rank draws the same ``prompts_per_step`` prompts
+from the same seeded prompt source and takes its equal slice (rank r: the r-th of K), so groups never
+straddle ranks; it samples, scores and trains its own rows. Token draws are keyed by the global row
+(:class:`~grpo_engine.sampling.hf.HFSampler`'s ``shard``), so K ranks sample the completions one process
+would. The trainer gathers the step's batch, rewards and uncertainty (:meth:`World.gather_step`), so
+what has a batch-wide meaning is computed from the whole step on every rank, exactly as one process
+computes it: advantages (batch-level statistics included), the loss's step-global token and sequence
+counts, the prompt source's observations, the metrics. Gradients are summed across ranks (each rank's
+loss is already divided by the global counts), so every rank takes the same optimizer step. Step times
+are the slowest rank's, so the time budget stops every rank at the same step. Rank 0 alone logs,
+evaluates and writes; its checkpoint resumes on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from grpo_engine.types import Prompt, RewardOutput, RolloutBatch
+
+__all__ = ["World", "concat_batches", "concat_rewards"]
+
+_BUCKET = 1 << 24  # elements per gradient all-reduce
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes of a run: this one's ``rank`` among ``size``, and the device it trains on.
+
+    ``World.current()`` reads what ``torchrun`` set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and
+    starts the process group (NCCL on GPUs, gloo on the CPU) unless the script already did; without
+    ``torchrun`` it is one process and every collective is a no-op.
+
+    Example:
+        >>> world = World()
+        >>> world.size, world.is_main, world.shard(["a", "b"])
+        (1, True, ['a', 'b'])
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def current(cls) -> World:
+        """This process's place in the ``torchrun`` launch (one process when there is none)."""
+        if dist.is_available() and dist.is_initialized():
+            local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+            return cls(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=local)
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size <= 1:
+            return cls()
+        if not dist.is_available():
+            raise RuntimeError(f"WORLD_SIZE={size} (a torchrun launch) but this torch has no torch.distributed; "
+                               "install a torch build with distributed support, or run one process")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)  # "cuda" means this rank's GPU from here on
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        return cls(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=local)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that logs, evaluates and writes."""
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's model lives: its GPU (``LOCAL_RANK``) when there is one, else the CPU."""
+        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _tensor_device(self) -> torch.device:
+        """Where collectives take their tensors: NCCL only reduces GPU tensors."""
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    # -- the step's data ---------------------------------------------------------------------------
+
+    def check_prompts_per_step(self, prompts_per_step: int) -> None:
+        """Raises ValueError unless the step's prompts split evenly across the ranks."""
+        if prompts_per_step % self.size:
+            low = max(self.size, prompts_per_step - prompts_per_step % self.size)
+            raise ValueError(f"prompts_per_step={prompts_per_step} does not split across {self.size} processes: each "
+                             f"rank samples whole groups for an equal share; set prompts_per_step to a multiple of "
+                             f"{self.size} (e.g. {low} or {low + self.size})")
+
+    def shard(self, items: Sequence[Any]) -> list[Any]:
+        """This rank's equal slice of ``items`` (all of them on one process)."""
+        share = len(items) // self.size
+        return list(items[self.rank * share:(self.rank + 1) * share])
+
+    def local_rows(self, values: Tensor) -> Tensor:
+        """This rank's equal slice of ``values`` along dim 0 (the step's rows, in rank order)."""
+        share = values.shape[0] // self.size
+        return values[self.rank * share:(self.rank + 1) * share]
+
+    def gather_step(self, prompts: Sequence[Prompt], batch: RolloutBatch, rewards: RewardOutput,
+                    uncertainty: Tensor | None) -> tuple[RolloutBatch, RewardOutput, Tensor | None]:
+        """The whole step on every rank: the ranks' batches (of the whole step's ``prompts``, which every
+        rank holds), rewards and uncertainties, in rank order."""
+        if self.size == 1:
+            return batch, rewards, uncertainty
+        parts = self.gather_objects((_batch_fields(batch), _cpu_rewards(rewards),
+                                     uncertainty.cpu() if uncertainty is not None else None))
+        share = len(prompts) // self.size
+        batches = [RolloutBatch(prompts=tuple(prompts[r * share:(r + 1) * share]), **fields)
+                   for r, (fields, _, _) in enumerate(parts)]
+        whole_uncertainty = None if uncertainty is None else torch.cat([p[2] for p in parts]).to(uncertainty.device)
+        return concat_batches(batches), concat_rewards([p[1] for p in parts]), whole_uncertainty
+
+    def gather_rewards(self, rewards: RewardOutput) -> RewardOutput:
+        """Every rank's rewards, concatenated in rank order."""
+        if self.size == 1:
+            return rewards
+        return concat_rewards(self.gather_objects(_cpu_rewards(rewards)))
+
+    # -- reductions --------------------------------------------------------------------------------
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sums over the ranks (float64)."""
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise maxima over the ranks."""
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
+        if self.size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._tensor_device())
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def sum_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sums ``.grad`` over the ranks in place (a rank that trained no row adds zeros), in buckets of
+        up to 2^24 elements per dtype."""
+        if self.size == 1:
+            return
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        for grads in by_dtype.values():
+            bucket: list[Tensor] = []
+            for grad in [*grads, None]:
+                if grad is not None and (not bucket or sum(g.numel() for g in bucket) + grad.numel() <= _BUCKET):
+                    bucket.append(grad)
+                    continue
+                if bucket:
+                    flat = torch.cat([g.reshape(-1) for g in bucket]).to(self._tensor_device())
+                    dist.all_reduce(flat)
+                    offset = 0
+                    for g in bucket:
+                        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                        offset += g.numel()
+                bucket = [grad] if grad is not None else []
+
+    def broadcast_parameters(self, params: Iterable[Tensor]) -> None:
+        """Copies rank 0's values of ``params`` to every rank (the trained weights start equal)."""
+        if self.size == 1:
+            return
+        for p in params:
+            data = p.data.to(self._tensor_device())
+            dist.broadcast(data, src=0)
+            p.data.copy_(data)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Waits for every rank."""
+        if self.size > 1:
+            dist.barrier()
+
+
+# -- concatenation -----------------------------------------------------------------------------------
+
+
+def _batch_fields(batch: RolloutBatch) -> dict[str, Any]:
+    """A batch's fields but its prompts (every rank holds the step's prompts), on the CPU, picklable."""
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "prompts"}
+    fields = {k: v.cpu() if isinstance(v, Tensor) else v for k, v in fields.items()}
+    fields["rewards"] = _cpu_rewards(batch.rewards) if batch.rewards is not None else None
+    fields["metrics"] = dict(batch.metrics)
+    return fields
+
+
+def _cpu_rewards(rewards: RewardOutput) -> RewardOutput:
+    return RewardOutput(total=rewards.total.cpu(), breakdown={k: v.cpu() for k, v in rewards.breakdown.items()},
+                        errors=dict(rewards.errors))  # plain dicts: a mapping proxy does not pickle
+
+
+def _pad_columns(tensors: Sequence[Tensor], value: float | int | bool, *, left: bool) -> Tensor:
+    """The [n_i, W_i] tensors stacked by rows, each padded to the widest on the left or the right."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+                      for t in tensors])
+
+
+def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """The batches as one, in order: prompts left-padded (with each batch's first pad value) and
+    completions right-padded to the widest; the samplers' metrics (counts) summed.
+
+    Example:
+        >>> import torch
+        >>> def one(n):
+        ...     return RolloutBatch(prompts=(Prompt("q"),), group_size=1, prompt_ids=torch.ones(1, n, dtype=torch.long),
+        ...         prompt_mask=torch.ones(1, n, dtype=torch.bool), completion_ids=torch.ones(1, 2, dtype=torch.long),
+        ...         completion_mask=torch.ones(1, 2, dtype=torch.bool), is_truncated=torch.zeros(1, dtype=torch.bool),
+        ...         texts=("a",))
+        >>> concat_batches([one(1), one(3)]).prompt_mask.tolist()
+        [[False, False, True], [True, True, True]]
+    """
+    first = batches[0]
+    if any(b.group_size != first.group_size for b in batches):
+        raise ValueError(f"concat_batches: group sizes {[b.group_size for b in batches]} differ; every rank samples "
+                         "groups of the config's group_size")
+    pad = int(first.prompt_ids[~first.prompt_mask][0]) if (~first.prompt_mask).any() else 0
+    done = int(first.completion_ids[~first.completion_mask][0]) if (~first.completion_mask).any() else 0
+    scored = [b.rewards for b in batches]
+    trained = [b.trained_groups for b in batches]
+    metrics: dict[str, float] = {}
+    for b in batches:
+        for key, value in b.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + float(value)
+    return RolloutBatch(
+        prompts=tuple(p for b in batches for p in b.prompts), group_size=first.group_size,
+        prompt_ids=_pad_columns([b.prompt_ids for b in batches], pad, left=True),
+        prompt_mask=_pad_columns([b.prompt_mask for b in batches], False, left=True),
+        completion_ids=_pad_columns([b.completion_ids for b in batches], done, left=False),
+        completion_mask=_pad_columns([b.completion_mask for b in batches], False, left=False),
+        is_truncated=torch.cat([b.is_truncated for b in batches]), texts=tuple(t for b in batches for t in b.texts),
+        sampler_logprobs=(_pad_columns([b.sampler_logprobs for b in batches], 0.0, left=False)
+                          if all(b.sampler_logprobs is not None for b in batches) else None),
+        rewards=concat_rewards(scored) if all(r is not None for r in scored) else None,
+        trained_groups=(torch.cat([t if t is not None else torch.ones(b.num_prompts, dtype=torch.bool)
+                                   for t, b in zip(trained, batches)])
+                        if any(t is not None for t in trained) else None),
+        metrics=metrics)
+
+
+def concat_rewards(parts: Sequence[RewardOutput]) -> RewardOutput:
+    """The rewards of consecutive batches as one: [B_i, G] stacked, error counts summed.
+
+    Example:
+        >>> import torch
+        >>> whole = concat_rewards([RewardOutput(torch.ones(1, 2), errors={"r": 1}),
+        ...                         RewardOutput(torch.zeros(1, 2), errors={"r": 2})])
+        >>> whole.total.tolist(), whole.errors
+        ([[1.0, 1.0], [0.0, 0.0]], {'r': 3})
+    """
+    errors: dict[str, int] = {}
+    for part in parts:
+        for name, count in part.errors.items():
+            errors[name] = errors.get(name, 0) + count
+    return RewardOutput(total=torch.cat([p.total for p in parts]),
+                        breakdown={name: torch.cat([p.breakdown[name] for p in parts]) for name in parts[0].breakdown},
+                        errors=errors)

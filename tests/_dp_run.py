@@ -1,0 +1,124 @@
+"""Data-parallel runs for tests/test_distributed.py: the same cases under torchrun and in one process.
+
+    torchrun --standalone --nproc_per_node 2 tests/_dp_run.py OUT CASE [CASE ...]
+    python tests/_dp_run.py OUT CASE ...     # one process
+
+Each case trains a tiny model for 2 steps (the demo and curriculum cases 3) and writes
+``OUT/<case>/rank<r>.pt``: the summed gradient of every step (captured just before
+``optimizer.step()``), the trained weights after every step, and the logged metrics (times left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan  # noqa: E402
+from grpo_engine.advantages import GroupNormalized, ReinforcePlusPlusBaseline  # noqa: E402
+from grpo_engine.data import ChatTemplate, InformativeCurriculum, PlainTemplate, arithmetic_task  # noqa: E402
+from grpo_engine.entropy import AdaptiveTemperature, SemanticEntropy  # noqa: E402
+from grpo_engine.losses import ClippedSurrogate  # noqa: E402
+from grpo_engine.memory.apply import trainable_parameters  # noqa: E402
+from grpo_engine.presets import dr_grpo  # noqa: E402
+from grpo_engine.rewards import KLRewardPenalty, MathAccuracy, Reward  # noqa: E402
+from grpo_engine.types import Prompt  # noqa: E402
+from tests.tiny import char_tokenizer, tiny_llama  # noqa: E402
+
+C = 8  # completion tokens
+SUMS = [(a, b) for a in range(3, 9) for b in range(2, 5)]
+
+
+class DigitShare(Reward):
+    """Fraction of the completion's characters that are digits (varies a lot on a random model)."""
+
+    def score(self, prompt, completion):
+        return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+def case(name: str) -> dict:
+    """The trainer's settings of one case: LoRA unless said, 4 prompts x 4 completions per step."""
+    lora = MemoryPlan(lora=LoRA(r=4), micro_batch_size=4)
+    cases = {
+        "sequence": dict(loss=ClippedSurrogate(aggregation="sequence"), memory=lora),
+        "token": dict(loss=ClippedSurrogate(aggregation="token"), memory=MemoryPlan(micro_batch_size=3)),  # full FT
+        "constant": dict(loss=ClippedSurrogate(aggregation="constant", max_completion_tokens=C),
+                         advantage=GroupNormalized(std_scope="none"), memory=lora),
+        "batch_std": dict(advantage=GroupNormalized(std_scope="batch"), memory=lora),
+        "reinforce_pp": dict(advantage=ReinforcePlusPlusBaseline(), loss=ClippedSurrogate(aggregation="token"),
+                             memory=lora),
+        "kl_reward": dict(rewards=[DigitShare(), KLRewardPenalty(0.5)], memory=lora),  # reference pass, transform
+        "curriculum": dict(curriculum=True, entropy=SemanticEntropy(), memory=lora,
+                           callbacks=[AdaptiveTemperature(collapse_fraction=0.0, step=0.1)]),
+        "demo": dict(memory=MemoryPlan(lora=LoRA(r=16), micro_batch_size=16, merge_lora_for_sampling=True),
+                     demo=True, **dr_grpo(16).components()),
+    }
+    return cases[name]
+
+
+def build(name: str, out: Path, steps: int, resume: str | None = None) -> GRPOTrainer:
+    settings = case(name)
+    demo, curriculum = settings.pop("demo", False), settings.pop("curriculum", False)
+    tokenizer = char_tokenizer()
+    if demo:  # the demo's task, recipe and schedule on the tiny model (which needs a reward with signal)
+        prompts, _ = arithmetic_task(40, 4, seed=0)
+        config = GRPOConfig(prompts_per_step=8, group_size=4, max_completion_tokens=16, learning_rate=3e-4,
+                            lr_schedule="cosine", max_steps=steps, seed=0, output_dir=str(out), progress_bar=False)
+        rewards, template = [MathAccuracy(isolate=False), DigitShare()], ChatTemplate(instruction=" Reply.")
+    else:
+        prompts = [Prompt(f"{a}+{b}=", str(a + b)) for a, b in SUMS]
+        # the demo's peak lr: AdamW divides each gradient by its running RMS, which turns the float32
+        # summation-order difference of a near-zero gradient (~1e-9) into up to ~3e-3 lr of weight
+        config = GRPOConfig(prompts_per_step=4, group_size=4, max_completion_tokens=C, learning_rate=3e-4,
+                            max_steps=steps, seed=3, output_dir=str(out), progress_bar=False)
+        rewards, template = settings.pop("rewards", [DigitShare()]), PlainTemplate("{question}")
+        if curriculum:  # what it serves next depends on every group's accuracy so far
+            prompts = InformativeCurriculum(prompts, batch_size=4, seed=3, accuracy_reward="digit_share")
+    return GRPOTrainer(tiny_llama(len(tokenizer), seed=1), rewards, prompts, config, tokenizer=tokenizer,
+                       template=template, resume_from=resume, **settings)
+
+
+def steps_of(name: str) -> int:
+    return 3 if name in ("demo", "curriculum") else 2
+
+
+def run(name: str, out: Path, resume: str | None = None) -> dict:
+    """Trains one case; returns (and writes, per rank) its gradients, weights and metrics."""
+    steps = steps_of(name)
+    (out / name).mkdir(parents=True, exist_ok=True)
+    trainer = build(name, out / name, steps, resume)
+    record: dict = {"grads": [], "weights": [], "metrics": []}
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        record["grads"].append([p.grad.detach().clone() for p in trainable_parameters(trainer.model)])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    while trainer.step_count < steps:
+        metrics = trainer.step()
+        record["weights"].append([p.detach().clone() for p in trainable_parameters(trainer.model)])
+        record["metrics"].append({k: v for k, v in metrics.items() if not k.startswith(("time/", "tokens/generated_"))})
+        if not resume:
+            trainer.save(out / name / f"checkpoint-{trainer.step_count}")
+    file = f"resumed-rank{trainer.world.rank}.pt" if resume else f"rank{trainer.world.rank}.pt"
+    torch.save(record, out / name / file)
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("cases", nargs="+")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for name in args.cases:
+        run(name, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

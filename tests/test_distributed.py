@@ -1,0 +1,110 @@
+"""Data parallel on the CPU (gloo): 2 torchrun ranks x B/2 prompts train exactly like 1 process x B.
+
+Both runs sample the same completions (token draws keyed by the global row), so their gradients,
+weights and metrics must agree to float32 summation order: each case below fails if a count, a
+batch statistic, the gradient sum or a metric were per rank instead of the whole step's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_engine.distributed import World
+from tests import _dp_run
+
+CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "demo"]
+WORKER = Path(_dp_run.__file__)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(two-rank folder, one-process folder), each with every case run (_dp_run.steps_of)."""
+    root = tmp_path_factory.mktemp("dp")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+               str(root / "two"), *CASES]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case in CASES:
+        _dp_run.run(case, root / "one")
+    return root / "two", root / "one"
+
+
+def load(folder: Path, case: str, file: str = "rank0.pt") -> dict:
+    return torch.load(folder / case / file)
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_give_the_gradients_weights_and_metrics_of_one_process(runs, case):
+    two, one = (load(folder, case) for folder in runs)
+    assert len(two["grads"]) == len(one["grads"]) >= 2
+    for step, (g2, g1) in enumerate(zip(two["grads"], one["grads"])):
+        assert max(float(g.abs().max()) for g in g1) > 1e-4, f"step {step + 1}: nothing trained, a vacuous check"
+        assert max_diff(g2, g1) < 1e-6, f"step {step + 1}: gradients differ"
+    for w2, w1 in zip(two["weights"], one["weights"]):
+        assert max_diff(w2, w1) < 1e-6
+    for m2, m1 in zip(two["metrics"], one["metrics"], strict=True):
+        assert m2.keys() == m1.keys()
+        for key in m1:
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("case", ["sequence", "demo"])
+def test_every_rank_holds_the_same_weights_and_metrics(runs, case):
+    rank0, rank1 = load(runs[0], case), load(runs[0], case, "rank1.pt")
+    assert max_diff(rank0["weights"][-1], rank1["weights"][-1]) == 0.0
+    assert rank0["metrics"] == rank1["metrics"]
+
+
+def test_the_demo_run_had_signal_to_train_on(runs):
+    """The demo case's equality means something only if its steps moved the policy."""
+    one = load(runs[1], "demo")
+    assert any(m["zero_std_fraction"] < 1.0 for m in one["metrics"])
+    assert one["metrics"][-1]["lr"] < one["metrics"][0]["lr"]  # the cosine schedule ran
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process_and_continues_equally(runs):
+    two, one = runs
+    resumed = _dp_run.run("sequence", two, resume=str(two / "sequence" / "checkpoint-1"))
+    reference = load(one, "sequence")
+    assert len(resumed["weights"]) == 1  # step 2 only
+    assert max_diff(resumed["grads"][0], reference["grads"][1]) < 1e-6
+    assert max_diff(resumed["weights"][0], reference["weights"][1]) < 1e-6
+    for key, value in reference["metrics"][1].items():
+        assert resumed["metrics"][0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_prompts_per_step_must_split_evenly_across_ranks():
+    with pytest.raises(ValueError, match=r"prompts_per_step=6 does not split across 4 processes.*e\.g\. 4 or 8"):
+        World(rank=0, size=4).check_prompts_per_step(6)
+    World(rank=1, size=2).check_prompts_per_step(6)
+
+
+def test_each_rank_takes_its_equal_slice_in_rank_order():
+    world = World(rank=1, size=2)
+    assert world.shard(["a", "b", "c", "d"]) == ["c", "d"]
+    assert world.local_rows(torch.arange(8)).tolist() == [4, 5, 6, 7]
+
+
+def test_dynamic_sampling_is_refused_under_data_parallel(tmp_path, monkeypatch):
+    from grpo_engine.sampling.dynamic import DynamicSampling
+
+    monkeypatch.setattr(World, "current", classmethod(lambda cls: cls(rank=0, size=2)))
+    with pytest.raises(ValueError, match="DynamicSampling does not run under data parallel"):
+        tokenizer = _dp_run.char_tokenizer()
+        _dp_run.GRPOTrainer(_dp_run.tiny_llama(len(tokenizer)), [_dp_run.DigitShare()],
+                            [_dp_run.Prompt("1+1=", "2")] * 2,
+                            _dp_run.GRPOConfig(prompts_per_step=2, output_dir=str(tmp_path)),
+                            tokenizer=tokenizer, sampler=DynamicSampling())
