@@ -3,8 +3,7 @@
 Every model here is a frozen pydantic record with ``extra="forbid"``: a misspelled field is an
 error, and one :class:`ConfigError` lists every bad field at once, each with its value, the rule it
 breaks and the fix; an unknown name gets the closest field, or where TRL's name of it lives here.
-``to_yaml`` / ``from_yaml`` round-trip a config through a YAML file. Batch vocabulary (the units are
-in the names):
+``to_yaml`` / ``from_yaml`` round-trip a config through YAML. Batch vocabulary (units in the names):
 
 - ``prompts_per_step`` (B): prompts sampled for one optimizer step.
 - ``group_size`` (G): completions sampled per prompt; ``completions_per_step`` = B * G, derived.

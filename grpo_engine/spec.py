@@ -1,8 +1,7 @@
 """RunSpec: a whole training run as one YAML file, the input of ``grpo-engine train``.
 
-Numbers and switches are the pydantic records of the Python API (``config``: GRPOConfig, ``memory``:
-MemoryPlan). Components (``train_prompts``, ``rewards``; optional ``advantage``, ``loss``, ``template``,
-``sampler``, ``entropy``, ``callbacks``) are an import path plus keyword arguments::
+Numbers and switches are the Python API's records (``config``: GRPOConfig, ``memory``: MemoryPlan);
+components (``train_prompts``, ``rewards``, ``advantage``, ``loss``, ...) an import path and keywords::
 
     model: HuggingFaceTB/SmolLM2-135M-Instruct
     train_prompts: {function: grpo_engine.data.load_gsm8k, path: data/gsm8k/train.jsonl}
@@ -11,9 +10,9 @@ MemoryPlan). Components (``train_prompts``, ``rewards``; optional ``advantage``,
     config: {prompts_per_step: 4, group_size: 8}
     memory: {lora: {r: 16}, micro_batch_size: 8}
 
-The CLI builds the objects; the core only ever sees objects. An import path runs code: a run file may
-name ``grpo_engine.*`` freely, and anything else only under a module listed in ``imports:`` (read that
-code before running a file someone shared). Model output is never executed.
+The CLI builds the objects; the core only sees objects. An import path runs code: a run file may name
+``grpo_engine.*`` freely, anything else only under a module listed in ``imports:`` (read that code
+before running a shared file). Model output is never executed.
 """
 
 from __future__ import annotations

@@ -108,3 +108,70 @@ def test_dynamic_sampling_is_refused_under_data_parallel(tmp_path, monkeypatch):
                             [_dp_run.Prompt("1+1=", "2")] * 2,
                             _dp_run.GRPOConfig(prompts_per_step=2, output_dir=str(tmp_path)),
                             tokenizer=tokenizer, sampler=DynamicSampling())
+
+
+RUN_FILE = """
+model: {model}
+train_prompts: {{function: grpo_engine.data.load_jsonl_prompts, path: {data}, question_field: q, answer_field: a}}
+rewards:
+  - {{class: grpo_engine.rewards.MathAccuracy, isolate: false}}
+  - {{class: tests._dp_run.DigitShare, weight: 0.5}}
+template: {{class: grpo_engine.data.PlainTemplate, format: "{{question}}="}}
+config: {{prompts_per_step: 4, group_size: 3, max_completion_tokens: 6, max_steps: 2, learning_rate: 3.0e-4,
+          output_dir: {out}, progress_bar: false}}
+memory: {{lora: {{r: 2, alpha: 4}}, micro_batch_size: 4}}
+imports: [tests]
+"""
+
+
+def test_grpo_engine_train_under_torchrun_logs_once_and_trains_like_one_process(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from grpo_engine.cli import main
+    from tests.tiny import char_tokenizer, tiny_llama
+
+    tokenizer = char_tokenizer()
+    tiny_llama(len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{a}+{a}", "a": str(2 * a)}) + "\n" for a in range(10, 20)))
+    for name in ("two", "one"):
+        (tmp_path / f"{name}.yaml").write_text(RUN_FILE.format(model=tmp_path / "model", data=data,
+                                                               out=tmp_path / name))
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+               "grpo_engine.cli", "train", str(tmp_path / "two.yaml")]
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("saved to") == 1  # rank 0 speaks
+    assert main(["train", str(tmp_path / "one.yaml")]) == 0
+
+    def lines(name):
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if not k.startswith(("time/", "tokens/generated_"))} for row in rows]
+
+    two, one = lines("two"), lines("one")
+    assert [row["step"] for row in two] == [1, 2]  # one line per step: rank 0 alone writes
+    for row2, row1 in zip(two, one, strict=True):
+        assert row2.keys() == row1.keys()
+        for key in row1:
+            assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-6), key
+    adapters = [load_file(tmp_path / name / "final" / "adapter_model.safetensors") for name in ("two", "one")]
+    assert max(float((adapters[0][k] - adapters[1][k]).abs().max()) for k in adapters[1]) < 1e-6
+
+
+def test_plan_predicts_one_rank_of_a_data_parallel_run(capsys):
+    from grpo_engine.cli import main
+    from grpo_engine.memory.estimate import Workload
+
+    assert main(["plan", "--model", "qwen2.5-0.5b", "--budget-gib", "24", "--prompts-per-step", "8",
+                 "--ranks", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts x 8 completions" in out and "per rank (4 data-parallel ranks)" in out
+    assert Workload(prompts_per_step=8).per_rank(4) == Workload(prompts_per_step=2)
+    with pytest.raises(ValueError, match="prompts_per_step=8 does not split across ranks=3"):
+        Workload(prompts_per_step=8).per_rank(3)

@@ -6,15 +6,13 @@
 - The prompt's KV cache is filled once per distinct prompt and repeated across its group (``repeats``);
   the last prompt token is the first token of the loop.
 - :class:`TokenDraw`: temperature, then top-k / top-p, then :func:`categorical`, an exact inverse-CDF
-  draw: one uniform picks a block of 256 token ids by its probability mass, a second the id inside it.
-  Every sum is relative to its block, so a token's probability keeps its float32 precision however
-  small, and an id of probability 0 is never drawn. Two uniforms per row instead of the V exponentials
-  of ``torch.multinomial`` (1 ms against 33 ms per 32 x 49,152 draw on 2 CPU cores), fixed shapes and no
-  host synchronisation, so it can run inside a CUDA graph.
-- The uniforms of a step are drawn for every row, running or not, so the dynamic loop and the static
-  path consume the random stream identically and draw the same tokens. Under data parallel they are
-  drawn for every row of the whole step and each rank takes its own (``row_offset``, ``total_rows``),
-  so K ranks draw the tokens one process would.
+  draw: one uniform picks a block of 256 token ids by its mass, a second the id inside it, so a token's
+  probability keeps its float32 precision however small and an id of probability 0 is never drawn. Two
+  uniforms per row instead of ``torch.multinomial``'s V exponentials (1 ms against 33 ms per 32 x 49,152
+  draw on 2 CPU cores), fixed shapes, no host synchronisation: it can run inside a CUDA graph.
+- Each step draws uniforms for every row of the whole step, running or not, and keeps its own rows
+  (``row_offset``, ``total_rows``): the dynamic loop and the static path consume the random stream
+  identically, and K data-parallel ranks draw the tokens one process would.
 """
 
 from __future__ import annotations
