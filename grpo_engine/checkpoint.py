@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 __all__ = ["save_pretrained_atomic", "write_text_atomic", "clean_leftovers", "latest_checkpoint", "prune_checkpoints",
-           "Resume", "trainer_state", "restore", "ResumeError", "SAFE_CHANGES"]
+           "Resume", "trainer_state", "restore", "resolve", "load_weights", "gather_sharded", "ResumeError",
+           "SAFE_CHANGES"]
 
 STATE_FILE, SUMMARY_FILE = "trainer_state.pt", "trainer_state.json"
 # settings that may change on resume (when named): limits, bookkeeping, and what changes only speed or summation order
@@ -40,7 +41,7 @@ SAFE_CHANGES = frozenset({
     "config.max_steps", "config.max_train_seconds", "config.save_every_steps", "config.keep_last_checkpoints",
     "config.log_every_steps", "config.progress_bar", "config.report_to", "config.max_nonfinite_steps",
     "config.output_dir", "config.reward_timeout_s", "config.on_reward_error", "memory.decoding",
-    "memory.micro_batch_size", "memory.logprob_chunk_size", "memory.logprob_vocab_tile",
+    "memory.micro_batch_size", "memory.logprob_chunk_size", "memory.logprob_vocab_tile", "memory.sharding",
 })
 
 
@@ -116,7 +117,8 @@ def _replace_folder(tmp: Path, path: Path) -> None:
 
 
 def save_pretrained_atomic(model: nn.Module, tokenizer: Any, path: str | Path,
-                           extra_files: dict[str, str] | None = None, objects: dict[str, Any] | None = None) -> Path:
+                           extra_files: dict[str, str] | None = None, objects: dict[str, Any] | None = None,
+                           state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Saves ``model`` and ``tokenizer`` in the transformers / peft layout at ``path``, durably.
 
     Args:
@@ -125,6 +127,7 @@ def save_pretrained_atomic(model: nn.Module, tokenizer: Any, path: str | Path,
         path: the target folder; an existing one is replaced only by a complete new one.
         extra_files: file name -> text, written beside the weights (e.g. the run's YAML config).
         objects: file name -> object written with ``torch.save`` (e.g. the trainer state).
+        state_dict: the model's whole weights when its modules hold shards (FSDP2), else None.
 
     Returns:
         The target path.
@@ -133,7 +136,7 @@ def save_pretrained_atomic(model: nn.Module, tokenizer: Any, path: str | Path,
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
@@ -254,10 +257,27 @@ def run_description(trainer: Any) -> dict[str, Any]:
     return {"settings": settings, "components": components}
 
 
-def trainer_state(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the state to ``torch.save``, the JSON summary) of a trainer between steps."""
+def gather_sharded(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole weights and optimizer state of an FSDP2-sharded model, on rank 0's CPU (a collective:
+    every rank calls it; the others get empty dicts). The optimizer state is keyed by parameter name
+    (``torch.distributed.checkpoint.state_dict``), so it loads on any number of ranks, one included."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(model, options=options),
+            get_optimizer_state_dict(model, optimizer, options=options))
+
+
+def trainer_state(trainer: Any, optimizer: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the state to ``torch.save``, the JSON summary) of a trainer between steps; ``optimizer``: a
+    name-keyed whole optimizer state (:func:`gather_sharded`) in place of ``optimizer.state_dict()``."""
     state = {
-        "optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
+        "optimizer": trainer.optimizer.state_dict() if optimizer is None else optimizer,
+        "optimizer_by_name": optimizer is not None, "scheduler": trainer.scheduler.state_dict(),
         "rng": _rng_states(), "prompts": trainer.prompts.state_dict(),
         "callbacks": [c.state_dict() for c in trainer.callbacks], "skipped_in_a_row": trainer._skipped_in_a_row,
         "warned_zero_std": trainer._warned_zero_std,
@@ -287,7 +307,7 @@ def _differences(saved: dict[str, Any], now: dict[str, Any], allowed: Iterable[s
     return problems
 
 
-def _load_weights(model: nn.Module, folder: Path) -> None:
+def load_weights(model: nn.Module, folder: Path) -> None:
     """Loads the trained weights of a checkpoint: the adapter under peft, else every weight."""
     from safetensors.torch import load_file
 
@@ -314,17 +334,15 @@ def _load_weights(model: nn.Module, folder: Path) -> None:
                          f"{unexpected[:4]}); resume with the model the run was started from")
 
 
-def restore(trainer: Any, resume: Resume) -> Path:
-    """Loads a checkpoint into a freshly built trainer: weights, optimizer, scheduler, RNG, prompt
-    source, callbacks, step, clock, temperature; truncates ``metrics.jsonl`` after the checkpoint's step.
+def resolve(trainer: Any, resume: Resume) -> Path:
+    """The checkpoint folder ``resume`` names, picked by rank 0 (after tidying ``output_dir``) for every rank.
 
     Raises:
         FileNotFoundError: no checkpoint there.
-        ResumeError: a setting or component differs from the saved run's (each one named).
     """
     output_dir, world = Path(trainer.config.output_dir), trainer.world
     folder = None
-    if world.is_main:  # rank 0 tidies the folder and picks the checkpoint every rank loads
+    if world.is_main:
         clean_leftovers(output_dir)
         folder = latest_checkpoint(output_dir) if str(resume.path) == "latest" else Path(resume.path)
     folder = world.broadcast(folder)
@@ -332,6 +350,21 @@ def restore(trainer: Any, resume: Resume) -> Path:
         where = f"in {output_dir}" if folder is None else f"at {folder}"
         raise FileNotFoundError(f"no trainer checkpoint {where} to resume from (a checkpoint folder holds "
                                 f"{STATE_FILE}); start without resume_from, or point it at a checkpoint-N folder")
+    return folder
+
+
+def restore(trainer: Any, resume: Resume, folder: Path | None = None, *, weights: bool = True) -> Path:
+    """Loads a checkpoint into a freshly built trainer: weights, optimizer, scheduler, RNG, prompt
+    source, callbacks, step, clock, temperature; truncates ``metrics.jsonl`` after the checkpoint's step.
+    ``folder``: the one :func:`resolve` picked (default: resolved here); ``weights=False`` when they were
+    loaded already (before FSDP2 sharded the model).
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        ResumeError: a setting or component differs from the saved run's (each one named).
+    """
+    output_dir, world = Path(trainer.config.output_dir), trainer.world
+    folder = folder if folder is not None else resolve(trainer, resume)
     summary = json.loads((folder / SUMMARY_FILE).read_text())
     problems = _differences(summary, run_description(trainer), resume.allow_changes)
     if problems:
@@ -340,8 +373,15 @@ def restore(trainer: Any, resume: Resume) -> Path:
     if len(state["callbacks"]) != len(trainer.callbacks):
         raise ResumeError(f"{folder} was saved with {len(state['callbacks'])} callbacks, the trainer has "
                          f"{len(trainer.callbacks)}; pass the same callbacks in the same order")
-    _load_weights(trainer.model, folder)
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    if weights:
+        load_weights(trainer.model, folder)
+    if state.get("optimizer_by_name"):  # saved whole from FSDP2 shards: loads sharded or not
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.prompts.load_state_dict(state["prompts"])
     for callback, saved in zip(trainer.callbacks, state["callbacks"], strict=True):

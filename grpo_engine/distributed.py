@@ -15,9 +15,10 @@ evaluates and writes; its checkpoint resumes on any number of ranks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,8 @@ from torch import Tensor
 
 from grpo_engine.types import Prompt, RewardOutput, RolloutBatch
 
-__all__ = ["World", "concat_batches", "concat_rewards"]
+__all__ = ["World", "concat_batches", "concat_rewards", "fully_shard_model", "full_weights", "is_sharded",
+           "local_value"]
 
 _BUCKET = 1 << 24  # elements per gradient all-reduce
 
@@ -153,7 +155,7 @@ class World:
         up to 2^24 elements per dtype."""
         if self.size == 1:
             return
-        params = [p for p in params if p.requires_grad]
+        params = [p for p in params if p.requires_grad and not is_sharded(p)]  # FSDP2 summed its shards
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -174,6 +176,21 @@ class World:
                         g.copy_(flat[offset:offset + g.numel()].view_as(g))
                         offset += g.numel()
                 bucket = [grad] if grad is not None else []
+
+    def clip_grad_norm(self, params: Sequence[Tensor], max_norm: float) -> float:
+        """``torch.nn.utils.clip_grad_norm_`` over every rank's shards too: the norm of the whole gradient
+        (float64 sums), and the gradients scaled by ``max_norm / (norm + 1e-6)`` when that is below 1."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not any(is_sharded(g) for g in grads):
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        shards = sum(float(g.to_local().double().pow(2).sum()) for g in grads if is_sharded(g))
+        whole = sum(float(g.double().pow(2).sum()) for g in grads if not is_sharded(g))
+        norm = (self.sum([shards])[0] + whole) ** 0.5
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                (g.to_local() if is_sharded(g) else g).mul_(coef)
+        return norm
 
     def broadcast_parameters(self, params: Iterable[Tensor]) -> None:
         """Copies rank 0's values of ``params`` to every rank (the trained weights start equal)."""
@@ -196,6 +213,64 @@ class World:
         """Waits for every rank."""
         if self.size > 1:
             dist.barrier()
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------------------
+
+
+def fully_shard_model(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Shards a causal LM over the process group with FSDP2 and returns the sharded units: each decoder
+    layer, then the decoder (embeddings, final norm). The lm_head stays whole on every rank (the
+    log-prob pass calls it a varying number of times, and every FSDP2 call is a collective), and so
+    does an embedding tied to it; their gradients are summed like data parallel's. FSDP2 sums the
+    sharded gradients too (no averaging): every rank's loss is already divided by the whole step's counts.
+
+    Raises:
+        ValueError: the model has no ``get_decoder()`` with a ``layers`` module list.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"sharding='fsdp' shards a transformers decoder (model.get_decoder().layers); "
+                         f"{type(model).__name__} has none: use sharding='none'")
+    head = model.get_output_embeddings()
+    tied = {p for p in decoder.parameters() if head is not None and any(p is q for q in head.parameters())}
+    units = [*layers, decoder]
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(decoder, ignored_params=tied or None)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
+    return units
+
+
+@contextlib.contextmanager
+def full_weights(units: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """The whole model on every rank in the block (one all-gather per unit on entry, on every rank), so
+    that each rank may run any number of forwards on its own (sampling, evaluation); sharded again
+    on exit. Nothing for no units."""
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(True)
+            unit.reshard()
+
+
+def is_sharded(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is an FSDP2 shard (a DTensor)."""
+    return hasattr(tensor, "to_local") and hasattr(tensor, "full_tensor")
+
+
+def local_value(value: Any) -> Any:
+    """The whole value of a DTensor (a collective: call it on every rank), else the value itself."""
+    return value.full_tensor() if is_sharded(value) else value
 
 
 # -- concatenation -----------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from grpo_engine.data.checks import check_prompts
 from grpo_engine.data.records import to_prompts
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.data.templates import PromptTemplate
-from grpo_engine.distributed import World
+from grpo_engine.distributed import World, full_weights, fully_shard_model, is_sharded
 from grpo_engine.eval import evaluate
 from grpo_engine.logging import MetricsLogger, NullLogger, StageTimer, rollout_metrics
 from grpo_engine.logprobs import completion_logprobs
@@ -45,6 +45,7 @@ from grpo_engine.memory.apply import (
     activation_offload,
     autocast,
     build_optimizer,
+    is_peft,
     prepare_model,
     trainable_parameters,
 )
@@ -162,6 +163,9 @@ class GRPOTrainer:
         if hasattr(self.sampler, "shard"):
             self.sampler.shard = (world.rank, world.size)  # token draws keyed by the row's place in the step
         needs_reference = self.loss.requires.ref_logprobs or self.rewards.requires.ref_logprobs
+        sharded = memory.sharding == "fsdp" and world.size > 1
+        if sharded:
+            _check_shardable(memory, full_reference=needs_reference and memory.lora is None and not is_peft(model))
         self.reference = ReferencePolicy(self.model, memory) if needs_reference else None
         self.callbacks = list(callbacks)
         # after the user's callbacks (they see every metric); rank 0 alone reports
@@ -170,6 +174,14 @@ class GRPOTrainer:
                                   output_dir=config.output_dir, process_index=world.rank, num_processes=world.size)
         self.control = TrainerControl()
         world.broadcast_parameters(trainable_parameters(self.model))  # every rank starts from rank 0's weights
+        resume = None if resume_from is None else (
+            resume_from if isinstance(resume_from, checkpoint.Resume) else checkpoint.Resume(resume_from))
+        folder = checkpoint.resolve(self, resume) if resume is not None else None
+        self._units: list[nn.Module] = []  # FSDP2's sharded units (none: every rank holds the whole model)
+        if sharded:
+            if folder is not None:
+                checkpoint.load_weights(self.model, folder)  # into the whole model, before it is sharded
+            self._units = fully_shard_model(self.model)
         self.optimizer = build_optimizer(self.model, memory, learning_rate=config.learning_rate,
                                          betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -179,8 +191,8 @@ class GRPOTrainer:
         self._skipped_in_a_row = 0
         self._bad_logprob_rows: list[tuple[Tensor, Tensor]] = []
         self._event("on_init")
-        self.resumed_from = None if resume_from is None else checkpoint.restore(
-            self, resume_from if isinstance(resume_from, checkpoint.Resume) else checkpoint.Resume(resume_from))
+        self.resumed_from = None if resume is None else checkpoint.restore(self, resume, folder,
+                                                                           weights=not self._units)
 
     @property
     def step_count(self) -> int:
@@ -243,7 +255,7 @@ class GRPOTrainer:
         cfg, timer, world = self.config, StageTimer(), self.world
         temperature, lr = self.temperature, self.scheduler.get_last_lr()[0]
         # 1. sample a group of completions for each prompt (this rank's share of them)
-        with timer("sample"), self._autocast():
+        with timer("sample"), self._autocast(), full_weights(self._units):  # FSDP2: the whole model to sample
             prompts = self.prompts.next_batch(cfg.prompts_per_step)  # the whole step's, the same on every rank
             batch = self.sampler.sample(world.shard(prompts), group_size=cfg.group_size)
         # 2. score (unless the sampler had to), and the per-group uncertainty; every group drawn is observed
@@ -289,7 +301,8 @@ class GRPOTrainer:
         if whole_uncertainty is not None:
             metrics["entropy/semantic_mean"] = whole_uncertainty.float().mean().item()
         metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
-        self._event("on_step_end", metrics=metrics)
+        with full_weights(self._units if self.callbacks else ()):  # FSDP2: rank 0 may evaluate
+            self._event("on_step_end", metrics=metrics)
         metrics = self._agree(metrics)
         self.history.append(metrics)
         return metrics
@@ -311,17 +324,20 @@ class GRPOTrainer:
         """Saves the policy (the adapter under LoRA), the tokenizer, the run's config files and the
         trainer state that ``resume_from`` continues from, durably; refuses non-finite weights. Under
         data parallel every rank calls it and rank 0 writes (the ranks hold the same weights and state)."""
-        bad = [name for name, p in self.model.named_parameters() if p.requires_grad and not p.isfinite().all()]
-        if bad:
-            raise ValueError(f"refusing to save {path}: {len(bad)} trained tensors hold NaN or inf (first: {bad[0]}); "
-                             "the last complete checkpoint stays as it was")
+        bad = [name for name, p in self.model.named_parameters()
+               if p.requires_grad and not bool((p.to_local() if is_sharded(p) else p).isfinite().all())]
+        if self.world.max([len(bad)])[0]:
+            first = f" (first: {bad[0]})" if bad else ""
+            raise ValueError(f"refusing to save {path}: trained tensors hold NaN or inf{first}; the last complete "
+                             "checkpoint stays as it was")
         saved = Path(path)
+        weights, optimizer = checkpoint.gather_sharded(self.model, self.optimizer) if self._units else (None, None)
         if self.world.is_main:
-            state, summary = checkpoint.trainer_state(self)
+            state, summary = checkpoint.trainer_state(self, optimizer=optimizer)
             extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml(),
                       checkpoint.SUMMARY_FILE: json.dumps(summary, indent=1)}
             saved = checkpoint.save_pretrained_atomic(self.model, self.tokenizer, path, extras,
-                                                      {checkpoint.STATE_FILE: state})
+                                                      {checkpoint.STATE_FILE: state}, state_dict=weights)
         self.world.barrier()  # no rank moves on before the checkpoint is complete
         self._event("on_save", path=saved)
         return saved
@@ -408,7 +424,7 @@ class GRPOTrainer:
                 record = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
             metrics = self.compute_gradients(batch, advantages, old_logprobs=old, ref_logprobs=ref,
                                              record_logprobs=record)
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), max_norm))
+            metrics["grad_norm"] = self.world.clip_grad_norm(trainable_parameters(self.model), max_norm)
             problem = guards.nonfinite_update(metrics, self._bad_logprob_rows)
             if problem is not None:  # the optimizer never sees a non-finite gradient
                 self.optimizer.zero_grad(set_to_none=True)
@@ -454,7 +470,10 @@ class GRPOTrainer:
         no_rows = torch.zeros(0, dtype=torch.long)
         try:
             rows = self._rows_to_train(advantages) if num_sequences and num_tokens else no_rows
-            trained_tokens = max(1, int(world.sum([batch.completion_mask[rows].sum()])[0]))
+            # the entropy metric's rows: those a run that may skip advantage-0 rows trains (FSDP2 runs them all)
+            counted = self.loss.requires.zero_advantage_rows or not self._units
+            trained_tokens = max(1, int(world.sum([batch.completion_mask[rows].sum() if counted else
+                                                   batch.completion_mask[rows[advantages[rows] != 0]].sum()])[0]))
             for idx in rows.split(self.memory.micro_batch_size) if rows.numel() else ():
                 pid, pmask, cid, cmask = batch.trimmed(idx)
                 # forward and loss under autocast (mixed precision), backward outside it
@@ -463,13 +482,14 @@ class GRPOTrainer:
                         self.model, pid, pmask, cid, cmask, temperature=self.sampler.temperature,
                         chunk_size=self.memory.logprob_chunk_size, with_entropy=with_entropy,
                         vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=pass_entropy,
-                        share_prompt=self.memory.share_prompt)
+                        share_prompt=self._share_prompt)
                     logprobs, entropy = out if with_entropy else (out, None)
                     if record_logprobs is not None:
                         record_logprobs[idx, :cid.shape[1]] = logprobs.detach().float().cpu()
                     self._bad_logprob_rows.append((idx, ~torch.where(cmask, logprobs.detach(), 0.0).isfinite().all(1)))
                     if entropy is not None:
-                        sums["entropy/token_mean"] += token_entropy_mean(entropy.detach(), cmask, trained_tokens)
+                        shown = cmask if counted else cmask & (advantages[idx] != 0).to(cmask.device)[:, None]
+                        sums["entropy/token_mean"] += token_entropy_mean(entropy.detach(), shown, trained_tokens)
                     width, dev = cid.shape[1], logprobs.device
                     micro = MicroBatch(
                         completion_mask=cmask, advantages=advantages[idx].to(dev),
@@ -491,14 +511,21 @@ class GRPOTrainer:
         self._metric_keys = keys  # a step that trained no row still logs every key (as 0)
         return dict(zip(keys, world.sum([float(sums.get(key, 0.0)) for key in keys])))
 
+    @property
+    def _share_prompt(self) -> bool:
+        """Prompt sharing in the log-prob passes (not under FSDP2: its one or two passes per micro-batch
+        would differ between ranks, and every pass is a collective there)."""
+        return self.memory.share_prompt and not self._units
+
     def _can_record_old(self) -> bool:
         """Whether a training forward pass computes exactly the sampling policy's log-probs (no dropout)."""
         return self.memory.lora is None or self.memory.lora.dropout == 0
 
     def _rows_to_train(self, advantages: Tensor) -> Tensor:
-        """Rows that can change the gradient: rows with advantage 0 are skipped when the loss allows it."""
+        """Rows that can change the gradient: rows with advantage 0 are skipped when the loss allows it (not
+        under FSDP2, where every rank runs as many forward and backward passes as the others)."""
         rows = torch.arange(advantages.shape[0])
-        return rows if self.loss.requires.zero_advantage_rows else rows[advantages != 0]
+        return rows if self.loss.requires.zero_advantage_rows or self._units else rows[advantages != 0]
 
     @torch.no_grad()
     def _logprobs(self, batch: RolloutBatch, model: nn.Module) -> Tensor:
@@ -509,7 +536,7 @@ class GRPOTrainer:
             out[idx, :cid.shape[1]] = completion_logprobs(
                 model, pid, pmask, cid, cmask, temperature=self.sampler.temperature,
                 chunk_size=self.memory.logprob_chunk_size, vocab_tile=self.memory.logprob_vocab_tile,
-                share_prompt=self.memory.share_prompt).cpu()
+                share_prompt=self._share_prompt).cpu()
         return out
 
     def _autocast(self):
@@ -530,6 +557,20 @@ class GRPOTrainer:
 
     def _lr_factor(self, step: int) -> float:
         return lr_factor(self.config, step, self.train_seconds)
+
+
+def _check_shardable(memory: MemoryPlan, *, full_reference: bool) -> None:
+    """Raises ValueError for a plan FSDP2 cannot take here, naming it and the fix."""
+    problems = []
+    if memory.quantization is not None:
+        problems.append("a 4-bit base (quantization='nf4')")
+    if memory.optimizer != "adamw":
+        problems.append(f"optimizer={memory.optimizer!r} (bitsandbytes states are not sharded)")
+    if full_reference:
+        problems.append("a frozen reference copy (a KL term under full fine-tuning)")
+    if problems:
+        raise ValueError(f"sharding='fsdp' does not take {' nor '.join(problems)}; use sharding='none', or LoRA with "
+                         "optimizer='adamw' and no quantization")
 
 
 def _trained_groups(batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None, world: World

@@ -1,6 +1,6 @@
 """Data-parallel runs for tests/test_distributed.py: the same cases under torchrun and in one process.
 
-    torchrun --standalone --nproc_per_node 2 tests/_dp_run.py OUT CASE [CASE ...]
+    torchrun --standalone --nproc_per_node 2 tests/_dp_run.py OUT CASE [CASE ...] [--resume-step N]
     python tests/_dp_run.py OUT CASE ...     # one process
 
 Each case trains a tiny model for 2 steps (the demo and curriculum cases 3) and writes
@@ -18,9 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan  # noqa: E402
+from grpo_engine import GRPOConfig, GRPOTrainer, HeldOutEval, LoRA, MemoryPlan  # noqa: E402
 from grpo_engine.advantages import GroupNormalized, ReinforcePlusPlusBaseline  # noqa: E402
+from grpo_engine.checkpoint import Resume  # noqa: E402
 from grpo_engine.data import ChatTemplate, InformativeCurriculum, PlainTemplate, arithmetic_task  # noqa: E402
+from grpo_engine.distributed import local_value  # noqa: E402
 from grpo_engine.entropy import AdaptiveTemperature, SemanticEntropy  # noqa: E402
 from grpo_engine.losses import ClippedSurrogate  # noqa: E402
 from grpo_engine.memory.apply import trainable_parameters  # noqa: E402
@@ -40,6 +42,13 @@ class DigitShare(Reward):
         return sum(c.isdigit() for c in completion) / max(1, len(completion))
 
 
+class Eval(HeldOutEval):
+    """Held-out pass@1 at every step (rank 0 evaluates; under FSDP2 with the whole model gathered)."""
+
+    def __init__(self):
+        super().__init__([Prompt(f"{a}+{a}=", str(2 * a)) for a in range(2, 6)], every_steps=1, max_new_tokens=4)
+
+
 def case(name: str) -> dict:
     """The trainer's settings of one case: LoRA unless said, 4 prompts x 4 completions per step."""
     lora = MemoryPlan(lora=LoRA(r=4), micro_batch_size=4)
@@ -54,6 +63,10 @@ def case(name: str) -> dict:
         "kl_reward": dict(rewards=[DigitShare(), KLRewardPenalty(0.5)], memory=lora),  # reference pass, transform
         "curriculum": dict(curriculum=True, entropy=SemanticEntropy(), memory=lora,
                            callbacks=[AdaptiveTemperature(collapse_fraction=0.0, step=0.1)]),
+        "fsdp_lora": dict(memory=MemoryPlan(lora=LoRA(r=4), micro_batch_size=4, sharding="fsdp",
+                                            merge_lora_for_sampling=True), callbacks=[Eval()]),
+        "fsdp_full": dict(loss=ClippedSurrogate(aggregation="token"), memory=MemoryPlan(micro_batch_size=3,
+                                                                                        sharding="fsdp")),
         "demo": dict(memory=MemoryPlan(lora=LoRA(r=16), micro_batch_size=16, merge_lora_for_sampling=True),
                      demo=True, **dr_grpo(16).components()),
     }
@@ -79,7 +92,8 @@ def build(name: str, out: Path, steps: int, resume: str | None = None) -> GRPOTr
         if curriculum:  # what it serves next depends on every group's accuracy so far
             prompts = InformativeCurriculum(prompts, batch_size=4, seed=3, accuracy_reward="digit_share")
     return GRPOTrainer(tiny_llama(len(tokenizer), seed=1), rewards, prompts, config, tokenizer=tokenizer,
-                       template=template, resume_from=resume, **settings)
+                       template=template, **settings,
+                       resume_from=Resume(resume, frozenset({"config.output_dir"})) if resume else None)
 
 
 def steps_of(name: str) -> int:
@@ -95,13 +109,13 @@ def run(name: str, out: Path, resume: str | None = None) -> dict:
     step = trainer.optimizer.step
 
     def recording_step(*args, **kwargs):
-        record["grads"].append([p.grad.detach().clone() for p in trainable_parameters(trainer.model)])
+        record["grads"].append([local_value(p.grad).detach().clone() for p in trainable_parameters(trainer.model)])
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
     while trainer.step_count < steps:
         metrics = trainer.step()
-        record["weights"].append([p.detach().clone() for p in trainable_parameters(trainer.model)])
+        record["weights"].append([local_value(p).detach().clone() for p in trainable_parameters(trainer.model)])
         record["metrics"].append({k: v for k, v in metrics.items() if not k.startswith(("time/", "tokens/generated_"))})
         if not resume:
             trainer.save(out / name / f"checkpoint-{trainer.step_count}")
@@ -114,10 +128,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("cases", nargs="+")
+    parser.add_argument("--resume-step", type=int, help="resume each case from its OUT/<case>/checkpoint-N")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.cases:
-        run(name, Path(args.out))
+        resume = None if args.resume_step is None else str(Path(args.out) / name / f"checkpoint-{args.resume_step}")
+        run(name, Path(args.out), resume)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import torch
 from grpo_engine.distributed import World
 from tests import _dp_run
 
-CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "demo"]
+CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "demo", "fsdp_lora",
+         "fsdp_full"]
 WORKER = Path(_dp_run.__file__)
 
 
@@ -61,7 +62,7 @@ def test_two_ranks_give_the_gradients_weights_and_metrics_of_one_process(runs, c
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.parametrize("case", ["sequence", "demo"])
+@pytest.mark.parametrize("case", ["sequence", "demo", "fsdp_lora", "fsdp_full"])
 def test_every_rank_holds_the_same_weights_and_metrics(runs, case):
     rank0, rank1 = load(runs[0], case), load(runs[0], case, "rank1.pt")
     assert max_diff(rank0["weights"][-1], rank1["weights"][-1]) == 0.0
@@ -75,15 +76,43 @@ def test_the_demo_run_had_signal_to_train_on(runs):
     assert one["metrics"][-1]["lr"] < one["metrics"][0]["lr"]  # the cosine schedule ran
 
 
-def test_a_two_rank_checkpoint_resumes_in_one_process_and_continues_equally(runs):
+@pytest.mark.parametrize("case", ["sequence", "fsdp_lora", "fsdp_full"])
+def test_a_two_rank_checkpoint_resumes_in_one_process_and_continues_equally(runs, case):
     two, one = runs
-    resumed = _dp_run.run("sequence", two, resume=str(two / "sequence" / "checkpoint-1"))
-    reference = load(one, "sequence")
+    resumed = _dp_run.run(case, two, resume=str(two / case / "checkpoint-1"))
+    reference = load(one, case)
     assert len(resumed["weights"]) == 1  # step 2 only
     assert max_diff(resumed["grads"][0], reference["grads"][1]) < 1e-6
     assert max_diff(resumed["weights"][0], reference["weights"][1]) < 1e-6
     for key, value in reference["metrics"][1].items():
         assert resumed["metrics"][0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_a_two_rank_fsdp_checkpoint_resumes_sharded_on_two_ranks(runs, tmp_path):
+    """The whole weights and name-keyed optimizer state of a sharded run load into a sharded model."""
+    import shutil
+
+    two, one = runs
+    shutil.copytree(two / "fsdp_full", tmp_path / "fsdp_full")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+               str(tmp_path), "fsdp_full", "--resume-step", "1"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed, reference = load(tmp_path, "fsdp_full", "resumed-rank0.pt"), load(one, "fsdp_full")
+    assert max_diff(resumed["grads"][0], reference["grads"][1]) < 1e-6
+    assert max_diff(resumed["weights"][0], reference["weights"][1]) < 1e-6
+
+
+def test_fsdp_refuses_what_it_cannot_shard(tmp_path, monkeypatch):
+    monkeypatch.setattr(World, "current", classmethod(lambda cls: cls(rank=0, size=2)))
+    tokenizer = _dp_run.char_tokenizer()
+    with pytest.raises(ValueError, match=r"sharding='fsdp' does not take optimizer='adamw8bit'"):
+        _dp_run.GRPOTrainer(_dp_run.tiny_llama(len(tokenizer)), [_dp_run.DigitShare()],
+                            [_dp_run.Prompt("1+1=", "2"), _dp_run.Prompt("1+2=", "3")],
+                            _dp_run.GRPOConfig(prompts_per_step=2, output_dir=str(tmp_path)), tokenizer=tokenizer,
+                            memory=_dp_run.MemoryPlan(sharding="fsdp", optimizer="adamw8bit"))
 
 
 def test_prompts_per_step_must_split_evenly_across_ranks():

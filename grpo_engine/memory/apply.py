@@ -173,8 +173,10 @@ def build_optimizer(
                          "or that the base model is not frozen")
     if plan.optimizer == "adamw":  # the fused kernel on a GPU: one launch per step, not several per tensor
         fused = all(p.is_cuda and p.is_floating_point() for p in params)
+        shards = sum(hasattr(p, "full_tensor") for p in params)  # FSDP2's DTensors
+        mixed = 0 < shards < len(params)  # with whole tensors (a replicated lm_head): one tensor at a time
         return torch.optim.AdamW(params, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay,
-                                 fused=fused or None)
+                                 fused=(fused and not mixed) or None, foreach=False if mixed else None)
     try:
         import bitsandbytes as bnb
     except ImportError as exc:  # pragma: no cover - bitsandbytes is a core dependency

@@ -1,7 +1,6 @@
 """MemoryPlan: how the model is held and trained, applied once before the loop starts.
 
-A frozen record; ``grpo_engine.memory.apply`` turns it into a prepared model and an optimizer, and
-nothing in the step loop branches on it. The fields (docs/memory.md: what each saves and costs):
+A frozen record that ``grpo_engine.memory.apply`` turns into a prepared model and an optimizer. Fields:
 ``lora`` (peft adapters; the reference policy is then the model with its adapters disabled, no copy),
 ``quantization="nf4"`` (QLoRA: a 4-bit NF4 base, double quantisation, compute in ``dtype``, fp32
 adapters), ``gradient_checkpointing``, ``offload_activations`` (saved tensors in pinned CPU memory),
@@ -12,7 +11,8 @@ memory), ``share_prompt`` (a group's prompt runs once: in sampling, and in train
 ``compiled``, ``cuda_graph``), ``micro_batch_size`` (completions per forward/backward; the accumulated
 gradient equals the one-batch gradient), ``dtype`` (base weights; adapters stay float32),
 ``compute_dtype`` (mixed precision: float32 weights, gradients and AdamW states, forward passes under
-``torch.autocast``), ``logprob_chunk_size`` / ``logprob_vocab_tile`` (at most chunk x tile logits).
+``torch.autocast``), ``logprob_chunk_size`` / ``logprob_vocab_tile`` (at most chunk x tile logits),
+``sharding`` (under torchrun: ``none``, or ``fsdp``: FSDP2 over the ranks, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -115,6 +115,11 @@ class MemoryPlan(FrozenModel):
         "dynamic loop that drops finished rows on the CPU), dynamic, static, compiled (torch.compile) or cuda_graph."
     )
     micro_batch_size: int = Field(8, description="Completions per forward/backward (gradient accumulation).")
+    sharding: Literal["none", "fsdp"] = Field(
+        "none", description="Under torchrun: none (every rank holds the whole model: data parallel) or fsdp "
+        "(FSDP2: each decoder layer and the embeddings sharded over the ranks, with their gradients and AdamW "
+        "states; the whole model gathered while sampling; the lm_head replicated)."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the (frozen) base weights; adapters stay float32."
     )
