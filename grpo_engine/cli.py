@@ -313,14 +313,15 @@ def _plan(args: argparse.Namespace) -> int:
         workload = Workload(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                             prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens,
                             kl=args.kl).per_rank(args.ranks)
-        base = MemoryPlan(lora=None if args.full_finetune else LoRA(r=args.lora_r),
+        base = MemoryPlan(lora=None if args.full_finetune else LoRA(r=args.lora_r), sharding=args.sharding,
                           dtype=args.dtype, micro_batch_size=args.micro_batch_size or workload.rows)
         print(f"model {args.model}; {workload.prompts_per_step} prompts x {workload.group_size} completions, "
               f"{workload.prompt_tokens} + {workload.completion_tokens} tokens{', KL' if workload.kl else ''}"
-              f"{f' per rank ({args.ranks} data-parallel ranks)' if args.ranks > 1 else ''}\n")
+              f"{f' per rank ({args.ranks} ranks, sharding {args.sharding})' if args.ranks > 1 else ''}\n")
         print("Without memory savings:")
-        print(estimate_memory(args.model, base, workload).table())
-        choice = plan_for_budget(args.model, workload, args.budget_gib, base=base, margin=args.margin)
+        print(estimate_memory(args.model, base, workload, ranks=args.ranks).table())
+        choice = plan_for_budget(args.model, workload, args.budget_gib, base=base, margin=args.margin,
+                                 ranks=args.ranks)
     except ValueError as exc:  # ConfigError included
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -342,8 +343,10 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-gib", type=_positive(float), required=True, help="accelerator memory, GiB")
     p.add_argument("--prompts-per-step", type=_positive(int), default=4, help="B (default %(default)s)")
     p.add_argument("--group-size", type=_positive(int), default=8, help="G (default %(default)s)")
-    p.add_argument("--ranks", type=_positive(int), default=1, help="data-parallel ranks (torchrun processes): "
-                   "each samples and trains prompts-per-step / ranks prompts (default %(default)s)")
+    p.add_argument("--ranks", type=_positive(int), default=1, help="torchrun processes: each samples and trains "
+                   "prompts-per-step / ranks prompts (default %(default)s)")
+    p.add_argument("--sharding", default="none", choices=["none", "fsdp"], help="with --ranks: none (each rank "
+                   "holds the whole model) or fsdp (FSDP2 shards it; default %(default)s)")
     p.add_argument("--prompt-tokens", type=_positive(int), default=256, help="P (default %(default)s)")
     p.add_argument("--completion-tokens", type=_positive(int), default=1024, help="C (default %(default)s)")
     p.add_argument("--kl", action="store_true", help="a KL term (a reference copy under full fine-tuning)")

@@ -200,7 +200,25 @@ def test_plan_predicts_one_rank_of_a_data_parallel_run(capsys):
     assert main(["plan", "--model", "qwen2.5-0.5b", "--budget-gib", "24", "--prompts-per-step", "8",
                  "--ranks", "4"]) == 0
     out = capsys.readouterr().out
-    assert "2 prompts x 8 completions" in out and "per rank (4 data-parallel ranks)" in out
+    assert "2 prompts x 8 completions" in out and "per rank (4 ranks, sharding none)" in out
     assert Workload(prompts_per_step=8).per_rank(4) == Workload(prompts_per_step=2)
     with pytest.raises(ValueError, match="prompts_per_step=8 does not split across ranks=3"):
         Workload(prompts_per_step=8).per_rank(3)
+
+
+def test_fsdp_memory_per_rank_shards_all_but_the_head():
+    """Hand arithmetic: 1/K of every parameter but one vocab x hidden matrix, for weights, gradients and
+    AdamW states; the rest of the model comes back while sampling."""
+    from grpo_engine.memory.estimate import KNOWN_SHAPES, Workload, estimate_memory
+    from grpo_engine.memory.plan import MemoryPlan
+
+    s, work = KNOWN_SHAPES["qwen2.5-1.5b"], Workload(prompts_per_step=2, group_size=8)
+    plan = MemoryPlan(dtype="bfloat16", sharding="fsdp")
+    one, four = estimate_memory(s, plan, work), estimate_memory(s, plan, work, ranks=4)
+    head = s.vocab * s.hidden
+    assert four.parts["weights"] == ((s.num_params - head) / 4 + head) * 2
+    assert four.parts["optimizer_state"] == four.parts["gradients"] * 2 == four.parts["weights"] * 2
+    assert four.parts["weights"] + four.parts["gathered_weights"] == one.parts["weights"] == s.num_params * 2
+    assert four.phases["optimizer"] < one.phases["optimizer"] / 2
+    none = estimate_memory(s, plan.model_copy(update={"sharding": "none"}), work, ranks=4)
+    assert none.parts == one.parts  # data parallel: every rank holds the whole model

@@ -43,7 +43,7 @@ def _summary(plan: MemoryPlan) -> str:
 
 
 def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: MemoryPlan | None = None,
-                    margin: float = 0.15) -> PlanChoice:
+                    margin: float = 0.15, ranks: int = 1) -> PlanChoice:
     """The plan with the least slowdown whose predicted peak, plus ``margin``, fits ``budget_gib``.
 
     Candidates start from ``base`` (default: LoRA r=16 in bfloat16, prompt sharing on) and add, in
@@ -51,6 +51,9 @@ def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: 
     gradient checkpointing, a 4-bit NF4 base (under LoRA) and, with checkpointing, activation
     offload (then only the layer inputs travel to CPU memory). Each choice's slowdown is the product
     of its parts' estimated costs; the cheapest that fits wins.
+
+    ``ranks``: torchrun processes, for a ``base`` with ``sharding="fsdp"`` (which takes no 4-bit base nor
+    8-bit states); ``workload`` is then one rank's.
 
     Raises:
         ValueError: when no candidate fits, naming the smallest peak found.
@@ -62,9 +65,10 @@ def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: 
     micro = sorted(set(micro) | {min(workload.rows, base.micro_batch_size)}, reverse=True)
     candidates: list[tuple[float, MemoryPlan]] = []
     for m in micro:
-        for eight_bit in (False, True):
+        sharded = base.sharding == "fsdp"
+        for eight_bit in ((False,) if sharded else (False, True)):
             for ckpt in (False, True):
-                for quant in ((False, True) if base.lora is not None else (False,)):
+                for quant in ((False, True) if base.lora is not None and not sharded else (False,)):
                     for offload in ((False, True) if ckpt or base.gradient_checkpointing else (False,)):
                         plan = base.model_copy(update={
                             "micro_batch_size": m,
@@ -83,7 +87,7 @@ def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: 
     rejected: list[tuple[str, float]] = []
     limit = budget_gib / (1 + margin)
     for slow, plan in candidates:
-        est = estimate_memory(model, plan, workload)
+        est = estimate_memory(model, plan, workload, ranks=ranks)
         if est.peak_gib <= limit:
             reason = (f"{_summary(plan)}: predicted peak {est.peak_gib:.2f} GiB ({est.peak_phase}) fits "
                       f"{budget_gib:g} GiB with a {margin:.0%} margin; estimated step time x{slow:.2f} of the "

@@ -223,14 +223,17 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryEstimate:
-    """Predicts the peak tensor memory of one GRPO step, by part and by phase.
+def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: int = 1) -> MemoryEstimate:
+    """Predicts the peak tensor memory of one GRPO step, by part and by phase (of one rank).
 
     Args:
         model: a ``ModelShape``, a transformers config, a folder with ``config.json`` or a name in
             ``KNOWN_SHAPES``.
         plan: the memory plan.
-        workload: B, G, prompt and completion lengths, KL on/off.
+        workload: B, G, prompt and completion lengths, KL on/off (one rank's: ``Workload.per_rank``).
+        ranks: torchrun processes. With ``plan.sharding="fsdp"`` each rank holds 1/ranks of the
+            decoder's weights, adapters, gradients and AdamW states (the lm_head, or an embedding tied
+            to it, whole), gathers the whole model while sampling and two layers while training.
 
     Example:
         >>> from grpo_engine.memory.plan import LoRA, MemoryPlan
@@ -246,17 +249,27 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
     ct = _BYTES[plan.compute_dtype] if plan.mixed_precision else dt  # what a forward pass computes in
     parts: dict[str, float] = {}
 
-    # resident: weights, adapters, optimizer state
+    # resident: weights, adapters, optimizer state (FSDP2: a 1/K share of all but one vocab x hidden matrix)
+    k = ranks if plan.sharding == "fsdp" and ranks > 1 else 1
+    whole = s.vocab * s.hidden  # replicated under FSDP2: the lm_head, or the embedding tied to it
+    share = lambda n: (n - whole) / k + whole  # noqa: E731  (n counts every parameter: all but the head split)
     if plan.quantization is not None:
         parts["weights"] = (s.num_params - s.linear_params) * dt + s.linear_params * _NF4_BYTES
     else:
-        parts["weights"] = s.num_params * dt
+        parts["weights"] = share(s.num_params) * dt
     if plan.lora is not None:
-        trainable, grad_bytes, state_dtype_bytes = s.lora_params(plan.lora), 4, 4  # fp32 master adapters
+        trainable, grad_bytes, state_dtype_bytes = s.lora_params(plan.lora) / k, 4, 4  # fp32 master adapters
         parts["adapters"] = trainable * 4
     else:
-        trainable, grad_bytes, state_dtype_bytes = s.num_params, dt, dt  # torch AdamW keeps states in param dtype
+        trainable, grad_bytes, state_dtype_bytes = share(s.num_params), dt, dt  # AdamW states in param dtype
         parts["adapters"] = 0
+    # FSDP2: the rest of the model while sampling; two decoder layers (one prefetched) while training
+    gathered = gathered_layers = 0.0
+    if k > 1:
+        gathered = (s.num_params - share(s.num_params)) * dt + (
+            s.lora_params(plan.lora) * 4 - parts["adapters"] if plan.lora is not None else 0)
+        gathered_layers = 2 * (s.num_params - whole) / s.layers * dt
+        parts.update(gathered_weights=gathered, gathered_layers=gathered_layers)
     eight_bit = plan.optimizer in ("adamw8bit", "paged_adamw8bit")
     parts["optimizer_state"] = trainable * (2 if eight_bit else 2 * state_dtype_bytes)
     parts["reference_copy"] = parts["weights"] if (w.kl and plan.lora is None) else 0
@@ -272,7 +285,7 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
     merged = s.layers * sum(i * o for i, o in s.adapted_shapes(plan.lora)) if plan.merge_lora_for_sampling else 0
     parts["merged_weights"] = merged * dt
     sampling = (resident + parts["kv_cache"] + parts["sampling_logits"] + parts["merged_weights"]
-                + parts["autocast_weights"])
+                + parts["autocast_weights"] + gathered)
 
     # training: gradients, saved activations of one micro-batch, one layer's backward, one logits tile
     parts["gradients"] = trainable * grad_bytes
@@ -297,7 +310,7 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload) -> MemoryE
     tile = min(plan.logprob_vocab_tile or s.vocab, s.vocab)
     parts["logprob_tile"] = chunk * tile * 4 * 3
     training = (resident + parts["gradients"] + saved + one_layer + parts["logprob_tile"]
-                + parts["autocast_weights"])
+                + parts["autocast_weights"] + gathered_layers)
 
     # optimizer step: torch's foreach AdamW makes fp32 temporaries the size of the trainable params
     parts["optimizer_temporaries"] = 0 if eight_bit else trainable * 4
