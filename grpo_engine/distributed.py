@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
-from grpo_engine.types import Prompt, RewardOutput, RolloutBatch
+from grpo_engine.sampling.dynamic import concat_rewards, concat_rollouts
+from grpo_engine.types import RewardOutput, RolloutBatch
 
-__all__ = ["World", "concat_batches", "concat_rewards", "fully_shard_model", "full_weights", "is_sharded",
-           "local_value"]
+__all__ = ["World", "fully_shard_model", "full_weights", "is_sharded", "local_value"]
 
 _BUCKET = 1 << 24  # elements per gradient all-reduce
 
@@ -100,24 +99,22 @@ class World:
         share = len(items) // self.size
         return list(items[self.rank * share:(self.rank + 1) * share])
 
-    def local_rows(self, values: Tensor) -> Tensor:
-        """This rank's equal slice of ``values`` along dim 0 (the step's rows, in rank order)."""
-        share = values.shape[0] // self.size
-        return values[self.rank * share:(self.rank + 1) * share]
+    def local_rows(self, values: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """This rank's slice of ``values`` along dim 0 (the step's rows, in rank order): the r-th of
+        ``sizes`` (every rank's count), or the r-th equal share."""
+        sizes = sizes if sizes is not None else [values.shape[0] // self.size] * self.size
+        start = sum(sizes[:self.rank])
+        return values[start:start + sizes[self.rank]]
 
-    def gather_step(self, prompts: Sequence[Prompt], batch: RolloutBatch, rewards: RewardOutput,
-                    uncertainty: Tensor | None) -> tuple[RolloutBatch, RewardOutput, Tensor | None]:
-        """The whole step on every rank: the ranks' batches (of the whole step's ``prompts``, which every
-        rank holds), rewards and uncertainties, in rank order."""
+    def gather_step(self, batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None
+                    ) -> tuple[RolloutBatch, RewardOutput, Tensor | None]:
+        """The whole step on every rank: the ranks' batches, rewards and uncertainties, in rank order."""
         if self.size == 1:
             return batch, rewards, uncertainty
-        parts = self.gather_objects((_batch_fields(batch), _cpu_rewards(rewards),
+        parts = self.gather_objects((_cpu_batch(batch), _cpu_rewards(rewards),
                                      uncertainty.cpu() if uncertainty is not None else None))
-        share = len(prompts) // self.size
-        batches = [RolloutBatch(prompts=tuple(prompts[r * share:(r + 1) * share]), **fields)
-                   for r, (fields, _, _) in enumerate(parts)]
         whole_uncertainty = None if uncertainty is None else torch.cat([p[2] for p in parts]).to(uncertainty.device)
-        return concat_batches(batches), concat_rewards([p[1] for p in parts]), whole_uncertainty
+        return (concat_rollouts([p[0] for p in parts]), concat_rewards([p[1] for p in parts]), whole_uncertainty)
 
     def gather_rewards(self, rewards: RewardOutput) -> RewardOutput:
         """Every rank's rewards, concatenated in rank order."""
@@ -273,86 +270,17 @@ def local_value(value: Any) -> Any:
     return value.full_tensor() if is_sharded(value) else value
 
 
-# -- concatenation -----------------------------------------------------------------------------------
+# -- gathering ---------------------------------------------------------------------------------------
 
 
-def _batch_fields(batch: RolloutBatch) -> dict[str, Any]:
-    """A batch's fields but its prompts (every rank holds the step's prompts), on the CPU, picklable."""
-    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "prompts"}
-    fields = {k: v.cpu() if isinstance(v, Tensor) else v for k, v in fields.items()}
-    fields["rewards"] = _cpu_rewards(batch.rewards) if batch.rewards is not None else None
-    fields["metrics"] = dict(batch.metrics)
-    return fields
+def _cpu_batch(batch: RolloutBatch) -> RolloutBatch:
+    """The batch on the CPU, picklable (plain dicts for the read-only views)."""
+    tensors = {f.name: getattr(batch, f.name).cpu() for f in dataclasses.fields(batch)
+               if isinstance(getattr(batch, f.name), Tensor)}
+    return dataclasses.replace(batch, **tensors, metrics=dict(batch.metrics),
+                               rewards=_cpu_rewards(batch.rewards) if batch.rewards is not None else None)
 
 
 def _cpu_rewards(rewards: RewardOutput) -> RewardOutput:
     return RewardOutput(total=rewards.total.cpu(), breakdown={k: v.cpu() for k, v in rewards.breakdown.items()},
                         errors=dict(rewards.errors))  # plain dicts: a mapping proxy does not pickle
-
-
-def _pad_columns(tensors: Sequence[Tensor], value: float | int | bool, *, left: bool) -> Tensor:
-    """The [n_i, W_i] tensors stacked by rows, each padded to the widest on the left or the right."""
-    width = max(t.shape[1] for t in tensors)
-    return torch.cat([F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
-                      for t in tensors])
-
-
-def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
-    """The batches as one, in order: prompts left-padded (with each batch's first pad value) and
-    completions right-padded to the widest; the samplers' metrics (counts) summed.
-
-    Example:
-        >>> import torch
-        >>> def one(n):
-        ...     return RolloutBatch(prompts=(Prompt("q"),), group_size=1, prompt_ids=torch.ones(1, n, dtype=torch.long),
-        ...         prompt_mask=torch.ones(1, n, dtype=torch.bool), completion_ids=torch.ones(1, 2, dtype=torch.long),
-        ...         completion_mask=torch.ones(1, 2, dtype=torch.bool), is_truncated=torch.zeros(1, dtype=torch.bool),
-        ...         texts=("a",))
-        >>> concat_batches([one(1), one(3)]).prompt_mask.tolist()
-        [[False, False, True], [True, True, True]]
-    """
-    first = batches[0]
-    if any(b.group_size != first.group_size for b in batches):
-        raise ValueError(f"concat_batches: group sizes {[b.group_size for b in batches]} differ; every rank samples "
-                         "groups of the config's group_size")
-    pad = int(first.prompt_ids[~first.prompt_mask][0]) if (~first.prompt_mask).any() else 0
-    done = int(first.completion_ids[~first.completion_mask][0]) if (~first.completion_mask).any() else 0
-    scored = [b.rewards for b in batches]
-    trained = [b.trained_groups for b in batches]
-    metrics: dict[str, float] = {}
-    for b in batches:
-        for key, value in b.metrics.items():
-            metrics[key] = metrics.get(key, 0.0) + float(value)
-    return RolloutBatch(
-        prompts=tuple(p for b in batches for p in b.prompts), group_size=first.group_size,
-        prompt_ids=_pad_columns([b.prompt_ids for b in batches], pad, left=True),
-        prompt_mask=_pad_columns([b.prompt_mask for b in batches], False, left=True),
-        completion_ids=_pad_columns([b.completion_ids for b in batches], done, left=False),
-        completion_mask=_pad_columns([b.completion_mask for b in batches], False, left=False),
-        is_truncated=torch.cat([b.is_truncated for b in batches]), texts=tuple(t for b in batches for t in b.texts),
-        sampler_logprobs=(_pad_columns([b.sampler_logprobs for b in batches], 0.0, left=False)
-                          if all(b.sampler_logprobs is not None for b in batches) else None),
-        rewards=concat_rewards(scored) if all(r is not None for r in scored) else None,
-        trained_groups=(torch.cat([t if t is not None else torch.ones(b.num_prompts, dtype=torch.bool)
-                                   for t, b in zip(trained, batches)])
-                        if any(t is not None for t in trained) else None),
-        metrics=metrics)
-
-
-def concat_rewards(parts: Sequence[RewardOutput]) -> RewardOutput:
-    """The rewards of consecutive batches as one: [B_i, G] stacked, error counts summed.
-
-    Example:
-        >>> import torch
-        >>> whole = concat_rewards([RewardOutput(torch.ones(1, 2), errors={"r": 1}),
-        ...                         RewardOutput(torch.zeros(1, 2), errors={"r": 2})])
-        >>> whole.total.tolist(), whole.errors
-        ([[1.0, 1.0], [0.0, 0.0]], {'r': 3})
-    """
-    errors: dict[str, int] = {}
-    for part in parts:
-        for name, count in part.errors.items():
-            errors[name] = errors.get(name, 0) + count
-    return RewardOutput(total=torch.cat([p.total for p in parts]),
-                        breakdown={name: torch.cat([p.breakdown[name] for p in parts]) for name in parts[0].breakdown},
-                        errors=errors)

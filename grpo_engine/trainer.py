@@ -154,18 +154,18 @@ class GRPOTrainer:
                     entropy is not None and entropy.requires_sampler_logprobs))
         self.prompts: PromptSource = self._checked_prompts(prompts, default if default is not None else sampler)
         if isinstance(sampler, SamplerWrapper):
-            if world.size > 1:
-                raise ValueError(f"{type(sampler).__name__} does not run under data parallel yet (its rounds of "
-                                 f"sampling would differ between the {world.size} ranks); run it in one process, "
-                                 "or train without it")
-            sampler = sampler.bind(default, self.rewards, self.prompts)
+            if world.size > 1 and not getattr(sampler, "data_parallel", False):
+                raise ValueError(f"{type(sampler).__name__} does not declare data_parallel = True (its rounds of "
+                                 f"sampling must be the same on the {world.size} ranks); run it in one process, or "
+                                 "make it take bind(..., world=) and sample the whole step's rounds on every rank")
+            sampler = (sampler.bind(default, self.rewards, self.prompts, world=world) if world.size > 1
+                       else sampler.bind(default, self.rewards, self.prompts))
         self.sampler: Sampler = sampler if sampler is not None else default
-        if hasattr(self.sampler, "shard"):
-            self.sampler.shard = (world.rank, world.size)  # token draws keyed by the row's place in the step
         needs_reference = self.loss.requires.ref_logprobs or self.rewards.requires.ref_logprobs
         sharded = memory.sharding == "fsdp" and world.size > 1
         if sharded:
-            _check_shardable(memory, full_reference=needs_reference and memory.lora is None and not is_peft(model))
+            _check_shardable(memory, full_reference=needs_reference and memory.lora is None and not is_peft(model),
+                             filters_groups=isinstance(sampler, SamplerWrapper))
         self.reference = ReferencePolicy(self.model, memory) if needs_reference else None
         self.callbacks = list(callbacks)
         # after the user's callbacks (they see every metric); rank 0 alone reports
@@ -257,16 +257,19 @@ class GRPOTrainer:
         # 1. sample a group of completions for each prompt (this rank's share of them)
         with timer("sample"), self._autocast(), full_weights(self._units):  # FSDP2: the whole model to sample
             prompts = self.prompts.next_batch(cfg.prompts_per_step)  # the whole step's, the same on every rank
+            if world.size > 1 and hasattr(self.sampler, "place"):  # token draws keyed by the row's place
+                self.sampler.place = (world.rank * len(prompts) // world.size, len(prompts))
             batch = self.sampler.sample(world.shard(prompts), group_size=cfg.group_size)
         # 2. score (unless the sampler had to), and the per-group uncertainty; every group drawn is observed
         with timer("reward"):
             rewards = batch.rewards if batch.rewards is not None else self.rewards(batch)
             uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
-        whole, whole_rewards, whole_uncertainty = world.gather_step(prompts, batch, rewards, uncertainty)
+        whole, whole_rewards, whole_uncertainty = world.gather_step(batch, rewards, uncertainty)
         self.prompts.observe(whole, whole_rewards, whole_uncertainty)
         self._event("on_rollout", batch=whole, rewards=whole_rewards, uncertainty=whole_uncertainty)
-        batch, rewards, _ = _trained_groups(batch, rewards, uncertainty, world)
-        whole, whole_rewards, whole_uncertainty = _trained_groups(whole, whole_rewards, whole_uncertainty, world)
+        batch, rewards, _ = _trained_groups(batch, rewards, uncertainty)
+        whole, whole_rewards, whole_uncertainty = _trained_groups(whole, whole_rewards, whole_uncertainty)
+        sizes = world.gather_objects(batch.num_completions)  # each rank's rows trained (a filter may drop groups)
         # 3. old and reference log-probs, only when needed; then the reward transforms that need them
         with timer("logprobs"), self._autocast():
             old, ref = self._no_grad_logprobs(batch)
@@ -280,7 +283,7 @@ class GRPOTrainer:
             raise ValueError(f"{type(self.advantage).__name__} returned advantages of shape {tuple(advantages.shape)}; "
                              f"an AdvantageFn maps rewards [B, G]={tuple(whole_rewards.total.shape)} to the same shape")
         problem = guards.nonfinite_advantages(whole_rewards, advantages)
-        advantages = world.local_rows(advantages.reshape(-1))  # [N] this rank's rows
+        advantages = world.local_rows(advantages.reshape(-1), sizes)  # [N] this rank's rows
         # 5. micro-batched loss and backward, 6. optimizer step (mu times on this batch)
         loss_metrics: dict[str, float] = {}
         with timer("train"):
@@ -559,9 +562,12 @@ class GRPOTrainer:
         return lr_factor(self.config, step, self.train_seconds)
 
 
-def _check_shardable(memory: MemoryPlan, *, full_reference: bool) -> None:
+def _check_shardable(memory: MemoryPlan, *, full_reference: bool, filters_groups: bool) -> None:
     """Raises ValueError for a plan FSDP2 cannot take here, naming it and the fix."""
     problems = []
+    if filters_groups:
+        problems.append("a sampler that drops groups (DynamicSampling: ranks would train unequal rows, and every "
+                        "FSDP2 pass is a collective)")
     if memory.quantization is not None:
         problems.append("a 4-bit base (quantization='nf4')")
     if memory.optimizer != "adamw":
@@ -573,15 +579,11 @@ def _check_shardable(memory: MemoryPlan, *, full_reference: bool) -> None:
                          "optimizer='adamw' and no quantization")
 
 
-def _trained_groups(batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None, world: World
+def _trained_groups(batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None
                     ) -> tuple[RolloutBatch, RewardOutput, Tensor | None]:
     """The groups the sampler marked for training (all of them when it marked none)."""
     if batch.trained_groups is None or bool(batch.trained_groups.all()):
         return batch, rewards, uncertainty
-    if world.size > 1:
-        raise ValueError(f"{type(batch).__name__}.trained_groups dropped groups under data parallel ({world.size} "
-                         "ranks), which needs an equal share of rows on every rank; a sampler that filters groups "
-                         "runs in one process only")
     groups = batch.trained_groups.nonzero().flatten()
     batch, rewards = select_groups(batch, rewards, groups)
     return batch, rewards, uncertainty[groups.to(uncertainty.device)] if uncertainty is not None else None

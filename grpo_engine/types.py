@@ -57,6 +57,10 @@ class Prompt:
         if not isinstance(self.metadata, MappingProxyType):
             object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickles (a read-only metadata view does not): for worker processes and torchrun ranks."""
+        return Prompt, (self.content, self.target, dict(self.metadata))
+
     @property
     def question(self) -> str:
         """The text of the last user turn (the whole content for a plain-text prompt)."""

@@ -28,6 +28,7 @@ from grpo_engine.losses import ClippedSurrogate  # noqa: E402
 from grpo_engine.memory.apply import trainable_parameters  # noqa: E402
 from grpo_engine.presets import dr_grpo  # noqa: E402
 from grpo_engine.rewards import KLRewardPenalty, MathAccuracy, Reward  # noqa: E402
+from grpo_engine.sampling import DynamicSampling  # noqa: E402
 from grpo_engine.types import Prompt  # noqa: E402
 from tests.tiny import char_tokenizer, tiny_llama  # noqa: E402
 
@@ -40,6 +41,13 @@ class DigitShare(Reward):
 
     def score(self, prompt, completion):
         return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+class StartsWithDigit(Reward):
+    """1 when the completion starts with a digit: groups of a random model often tie (all 0)."""
+
+    def score(self, prompt, completion):
+        return float(completion[:1].isdigit())
 
 
 class Eval(HeldOutEval):
@@ -63,6 +71,7 @@ def case(name: str) -> dict:
         "kl_reward": dict(rewards=[DigitShare(), KLRewardPenalty(0.5)], memory=lora),  # reference pass, transform
         "curriculum": dict(curriculum=True, entropy=SemanticEntropy(), memory=lora,
                            callbacks=[AdaptiveTemperature(collapse_fraction=0.0, step=0.1)]),
+        "dynamic": dict(sampler=DynamicSampling(max_rounds=3), rewards=[StartsWithDigit()], memory=lora),
         "fsdp_lora": dict(memory=MemoryPlan(lora=LoRA(r=4), micro_batch_size=4, sharding="fsdp",
                                             merge_lora_for_sampling=True), callbacks=[Eval()]),
         "fsdp_full": dict(loss=ClippedSurrogate(aggregation="token"), memory=MemoryPlan(micro_batch_size=3,
@@ -97,7 +106,7 @@ def build(name: str, out: Path, steps: int, resume: str | None = None) -> GRPOTr
 
 
 def steps_of(name: str) -> int:
-    return 3 if name in ("demo", "curriculum") else 2
+    return 3 if name in ("demo", "curriculum", "dynamic") else 2
 
 
 def run(name: str, out: Path, resume: str | None = None) -> dict:

@@ -18,8 +18,8 @@ import torch
 from grpo_engine.distributed import World
 from tests import _dp_run
 
-CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "demo", "fsdp_lora",
-         "fsdp_full"]
+CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "dynamic", "demo",
+         "fsdp_lora", "fsdp_full"]
 WORKER = Path(_dp_run.__file__)
 
 
@@ -127,18 +127,32 @@ def test_each_rank_takes_its_equal_slice_in_rank_order():
     assert world.local_rows(torch.arange(8)).tolist() == [4, 5, 6, 7]
 
 
-def test_dynamic_sampling_is_refused_under_data_parallel(tmp_path, monkeypatch):
+def test_dynamic_sampling_took_extra_rounds_and_dropped_groups(runs):
+    """The dynamic case's equality covers the rounds only if there were some."""
+    metrics = load(runs[0], "dynamic")["metrics"]
+    assert max(m["dynamic_sampling/rounds"] for m in metrics) >= 2
+    assert any(m["dynamic_sampling/groups_sampled"] > m["dynamic_sampling/groups_kept"] for m in metrics)
+
+
+def test_a_sampler_wrapper_must_declare_data_parallel(tmp_path, monkeypatch):
     from grpo_engine.sampling.dynamic import DynamicSampling
 
+    class OneProcessOnly(DynamicSampling):
+        data_parallel = False
+
     monkeypatch.setattr(World, "current", classmethod(lambda cls: cls(rank=0, size=2)))
-    with pytest.raises(ValueError, match="DynamicSampling does not run under data parallel"):
-        tokenizer = _dp_run.char_tokenizer()
+    tokenizer = _dp_run.char_tokenizer()
+    with pytest.raises(ValueError, match="OneProcessOnly does not declare data_parallel = True"):
         _dp_run.GRPOTrainer(_dp_run.tiny_llama(len(tokenizer)), [_dp_run.DigitShare()],
-                            [_dp_run.Prompt("1+1=", "2")] * 2,
+                            [_dp_run.Prompt("1+1=", "2"), _dp_run.Prompt("1+2=", "3")],
                             _dp_run.GRPOConfig(prompts_per_step=2, output_dir=str(tmp_path)),
-                            tokenizer=tokenizer, sampler=DynamicSampling())
-
-
+                            tokenizer=tokenizer, sampler=OneProcessOnly())
+    with pytest.raises(ValueError, match="sharding='fsdp' does not take a sampler that drops groups"):
+        _dp_run.GRPOTrainer(_dp_run.tiny_llama(len(tokenizer)), [_dp_run.DigitShare()],
+                            [_dp_run.Prompt("1+1=", "2"), _dp_run.Prompt("1+2=", "3")],
+                            _dp_run.GRPOConfig(prompts_per_step=2, output_dir=str(tmp_path)),
+                            tokenizer=tokenizer, sampler=DynamicSampling(),
+                            memory=_dp_run.MemoryPlan(sharding="fsdp"))
 RUN_FILE = """
 model: {model}
 train_prompts: {{function: grpo_engine.data.load_jsonl_prompts, path: {data}, question_field: q, answer_field: a}}

@@ -12,6 +12,9 @@ DynamicSampling(...))`` binds it to the trainer's sampler, rewards and prompt so
 - The batch it returns holds every group drawn, scored (``RolloutBatch.rewards``), with the first B
   kept groups marked in ``trained_groups``; when none was kept, the last round's groups are (every
   advantage is then 0). ``metrics`` reports the rounds, groups sampled and kept.
+- Under data parallel (bound with a ``World``) the rounds are the whole step's: each round every rank
+  draws the same fresh prompts and samples its slice, and the first groups still missing are taken in
+  the order one process would take them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -28,7 +31,7 @@ from torch import Tensor
 from grpo_engine.protocols import PromptSource, Sampler
 from grpo_engine.types import Prompt, RewardOutput, RolloutBatch
 
-__all__ = ["DynamicSampling", "concat_rollouts", "select_groups"]
+__all__ = ["DynamicSampling", "concat_rollouts", "concat_rewards", "select_groups"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class DynamicSampling:
     sampler: Sampler | None = None
     rewards: Any = None
     prompts: PromptSource | None = None
+    world: Any = None  # a grpo_engine.distributed.World under torchrun (None: one process)
+    data_parallel: ClassVar[bool] = True  # the trainer may bind it with a World
 
     def __post_init__(self) -> None:
         if self.max_rounds < 1:
@@ -64,40 +69,61 @@ class DynamicSampling:
     def temperature(self, value: float) -> None:
         self.sampler.temperature = value
 
-    def bind(self, sampler: Sampler, rewards: Any, prompts: PromptSource) -> DynamicSampling:
-        """A copy that draws from ``sampler``, scores with ``rewards`` and refills from ``prompts``."""
-        return dataclasses.replace(self, sampler=sampler, rewards=rewards, prompts=prompts)
+    def bind(self, sampler: Sampler, rewards: Any, prompts: PromptSource, world: Any = None) -> DynamicSampling:
+        """A copy that draws from ``sampler``, scores with ``rewards`` and refills from ``prompts`` (the
+        same on every rank of ``world``)."""
+        return dataclasses.replace(self, sampler=sampler, rewards=rewards, prompts=prompts, world=world)
 
     def sample(self, prompts: Sequence[Prompt], *, group_size: int) -> RolloutBatch:
         """Every group drawn this step, scored, the ones to train on marked (see the module docstring)."""
         if self.sampler is None or self.rewards is None or self.prompts is None:
             raise ValueError("DynamicSampling is not bound to a sampler, rewards and a prompt source; pass it as "
                              "GRPOTrainer(sampler=DynamicSampling(...)) or call bind(sampler, rewards, prompts)")
-        need, kept, rounds = len(prompts), 0, 0
+        rank, ranks = (self.world.rank, self.world.size) if self.world is not None else (0, 1)
+        need, kept, rounds = len(prompts) * ranks, 0, 0  # need: the whole step's groups
         batches: list[RolloutBatch] = []
-        todo = list(prompts)
+        todo, place = list(prompts), (rank * len(prompts), need)
+        sampled = [0.0, 0.0]  # sum and count of the rewards drawn (this rank's)
         while True:
-            batch = self.sampler.sample(todo, group_size=group_size)
-            rewards = self.rewards(batch)
+            informative = torch.zeros(0, dtype=torch.bool)
+            if todo:
+                if ranks > 1:
+                    self.sampler.place = place
+                batch = self.sampler.sample(todo, group_size=group_size)
+                rewards = self.rewards(batch)
+                if self.key is not None and self.key not in rewards.breakdown:
+                    raise KeyError(f"DynamicSampling(key={self.key!r}) but the rewards are "
+                                   f"{sorted(rewards.breakdown)}; use one of those names or key=None")
+                signal = rewards.total if self.key is None else rewards.breakdown[self.key]
+                informative = (signal != signal[:, :1]).any(dim=1).cpu()
+                sampled = [sampled[0] + float(rewards.total.float().sum()), sampled[1] + rewards.total.numel()]
+            else:  # no prompt for this rank this round: take the seed a call takes, as the others do
+                getattr(self.sampler, "call_seed", lambda: None)()
             rounds += 1
-            if self.key is not None and self.key not in rewards.breakdown:
-                raise KeyError(f"DynamicSampling(key={self.key!r}) but the rewards are "
-                               f"{sorted(rewards.breakdown)}; use one of those names or key=None")
-            signal = rewards.total if self.key is None else rewards.breakdown[self.key]
-            informative = (signal != signal[:, :1]).any(dim=1)
-            take = informative & (informative.long().cumsum(0) <= need - kept)  # the first ones still missing
-            kept += int(take.sum())
-            batches.append(dataclasses.replace(batch, rewards=rewards, trained_groups=take))
+            parts = self.world.gather_objects(informative.tolist()) if ranks > 1 else [informative.tolist()]
+            every = torch.tensor([flag for part in parts for flag in part], dtype=torch.bool)
+            take_all = every & (every.long().cumsum(0) <= need - kept)  # the first ones still missing
+            first = sum(len(part) for part in parts[:rank])
+            kept += int(take_all.sum())
+            if todo:
+                take = take_all[first:first + len(informative)].to(rewards.total.device)
+                batches.append(dataclasses.replace(batch, rewards=rewards, trained_groups=take))
             if kept >= need or rounds >= self.max_rounds:
                 break
-            todo = self.prompts.next_batch(need - kept)
+            extra = self.prompts.next_batch(need - kept)  # the same on every rank; each samples its slice
+            sizes = [len(extra) // ranks + (r < len(extra) % ranks) for r in range(ranks)]
+            start = sum(sizes[:rank])
+            todo, place = extra[start:start + sizes[rank]], (start, len(extra))
         if kept == 0:  # nothing to learn from: train on the last round as it is (every advantage 0)
             batches[-1] = dataclasses.replace(batches[-1], trained_groups=torch.ones_like(batches[-1].trained_groups))
         merged = concat_rollouts(batches)
-        metrics = {"dynamic_sampling/rounds": float(rounds),
-                   "dynamic_sampling/groups_sampled": float(merged.num_prompts),
-                   "dynamic_sampling/groups_kept": float(kept),
-                   "reward/mean_sampled": merged.rewards.total.float().mean().item()}
+        if ranks > 1:
+            sampled = self.world.sum(sampled)
+        groups = sampled[1] / group_size
+        metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_sampled": float(groups),
+                   "dynamic_sampling/groups_kept": float(kept), "reward/mean_sampled": sampled[0] / max(sampled[1], 1)}
+        if rank > 0:  # the trainer sums the ranks' sampler metrics: rank 0 reports the whole step's
+            metrics = dict.fromkeys(metrics, 0.0)
         return dataclasses.replace(merged, metrics=MappingProxyType({**merged.metrics, **metrics}))
 
 
@@ -148,7 +174,7 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         is_truncated=torch.cat([b.is_truncated for b in batches]),
         texts=tuple(t for b in batches for t in b.texts),
         sampler_logprobs=None if any(lp is None for lp in logprobs) else _pad(logprobs, c_width, 0.0, left=False),
-        rewards=None if any(b.rewards is None for b in batches) else _concat_rewards([b.rewards for b in batches]),
+        rewards=None if any(b.rewards is None for b in batches) else concat_rewards([b.rewards for b in batches]),
         trained_groups=None if all(b.trained_groups is None for b in batches) else torch.cat(
             [b.trained_groups if b.trained_groups is not None else torch.ones(b.num_prompts, dtype=torch.bool)
              for b in batches]),
@@ -156,7 +182,8 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     )
 
 
-def _concat_rewards(parts: Sequence[RewardOutput]) -> RewardOutput:
+def concat_rewards(parts: Sequence[RewardOutput]) -> RewardOutput:
+    """The rewards of consecutive batches as one: [B_i, G] stacked, error counts summed."""
     return RewardOutput(total=torch.cat([p.total for p in parts]),
                         breakdown={k: torch.cat([p.breakdown[k] for p in parts]) for k in parts[0].breakdown},
                         errors=_summed([p.errors for p in parts]))

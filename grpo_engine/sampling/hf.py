@@ -129,9 +129,9 @@ class HFSampler:
             the module docstring and :func:`resolve_decoding`).
 
     Each ``sample()`` call takes one number from torch's global RNG (so ``torch.manual_seed`` fixes the
-    samples) and seeds its token draws with it, each step drawing for every row of the step. Under data
-    parallel, ``shard = (rank, ranks)`` places this call's rows among the step's (every rank sampling an
-    equal share), so K ranks draw the tokens one process draws for the whole step.
+    samples) and seeds its token draws with it, each step drawing for every row of the call. Under data
+    parallel, ``place = (first, total)`` says where this rank's prompts sit among the ``total`` prompts
+    all ranks sample in this call, so K ranks draw the tokens one process draws for all of them.
 
     After each ``sample()`` call, ``last_decoding`` holds the path that ran (and, if a CUDA graph
     could not be captured, why), and ``last_clock`` the prefill / decode times (``seconds()``).
@@ -171,7 +171,7 @@ class HFSampler:
         if decoding not in DECODING_PATHS:
             raise ValueError(f"decoding={decoding!r} is not one of {', '.join(DECODING_PATHS)}; use 'auto'")
         self.decoding = decoding
-        self.shard = (0, 1)  # (rank, ranks) of a data-parallel step: set by the trainer
+        self.place: tuple[int, int] | None = None  # (first prompt, prompts of all ranks) of the next call
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
         self.last_decoding: dict = {}  # the last call's decoding path ("path"), and a CUDA-graph capture error
         self.last_truncated, self._warned_truncation = 0, False  # prompts cut to max_prompt_tokens
@@ -249,13 +249,12 @@ class HFSampler:
                     args = (self.model, ids if shared else prompt_ids, mask if shared else prompt_mask)
                     self.last_clock = PhaseClock(device)
                     self.last_clock.mark("start")
-                    rank, ranks = self.shard
+                    first, total = self.place if self.place is not None else (0, len(prompts))
                     kwargs = dict(repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
                                   eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw(),
-                                  clock=self.last_clock, row_offset=rank * len(prompt_ids),
-                                  total_rows=ranks * len(prompt_ids))
+                                  clock=self.last_clock, row_offset=first * group_size, total_rows=total * group_size)
                     self.last_decoding = {"path": path, "capture_error": None}
-                    seed = int(torch.randint(0, 2**62, ()))  # the call's draws depend on it alone
+                    seed = self.call_seed()  # the call's draws depend on it alone
                     with seeded_rng(seed, device):
                         if path == "dynamic":
                             completion_ids, logprobs = decode(*args, **kwargs)
@@ -277,6 +276,12 @@ class HFSampler:
             completion_ids=completion_ids, completion_mask=completion_mask, is_truncated=is_truncated,
             texts=texts, sampler_logprobs=logprobs, metrics={"prompts/truncated": float(self.last_truncated)},
         )
+
+    @staticmethod
+    def call_seed() -> int:
+        """The number a sampling call takes from torch's global RNG to seed its draws; a rank with no
+        prompts in a data-parallel call takes it too, to stay in step with the others."""
+        return int(torch.randint(0, 2**62, ()))
 
     def token_draw(self) -> TokenDraw:
         """The token draw of the current settings (the temperature may change between steps)."""
