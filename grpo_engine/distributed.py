@@ -1,16 +1,15 @@
-"""Data parallel under ``torchrun``: which process this is, and the few collectives a step needs.
+"""Several processes under ``torchrun``: which rank this is, the collectives a step needs, FSDP2.
 
-Every rank holds the whole policy. Each step, every rank draws the same ``prompts_per_step`` prompts
-from the same seeded prompt source and takes its equal slice (rank r: the r-th of K), so groups never
-straddle ranks; it samples, scores and trains its own rows. Token draws are keyed by the global row
-(:class:`~grpo_engine.sampling.hf.HFSampler`'s ``shard``), so K ranks sample the completions one process
-would. The trainer gathers the step's batch, rewards and uncertainty (:meth:`World.gather_step`), so
-what has a batch-wide meaning is computed from the whole step on every rank, exactly as one process
-computes it: advantages (batch-level statistics included), the loss's step-global token and sequence
-counts, the prompt source's observations, the metrics. Gradients are summed across ranks (each rank's
-loss is already divided by the global counts), so every rank takes the same optimizer step. Step times
-are the slowest rank's, so the time budget stops every rank at the same step. Rank 0 alone logs,
-evaluates and writes; its checkpoint resumes on any number of ranks.
+Each step every rank draws the same ``prompts_per_step`` prompts from the same seeded source and takes
+its slice (rank r the r-th of K), so groups never straddle ranks; it samples, scores and trains its
+own rows. Token draws are keyed by the row's place among all ranks' rows (``HFSampler.place``), so K
+ranks sample the completions one process would. :meth:`World.gather_step` hands every rank the whole
+step's batch, rewards and uncertainty, from which the trainer computes what has a batch-wide meaning
+exactly as one process does (advantages, the loss's counts, observations, metrics); gradients are
+summed across ranks (each loss is divided by the whole step's counts), so every rank takes the same
+optimizer step; step times are the slowest rank's. Rank 0 alone logs, evaluates and writes. Every
+rank holds the whole model (data parallel), or a 1/K shard of its decoder (:func:`fully_shard_model`,
+FSDP2) gathered whole while sampling (:func:`full_weights`).
 """
 
 from __future__ import annotations

@@ -326,13 +326,14 @@ class GRPOTrainer:
     def save(self, path: str | Path) -> Path:
         """Saves the policy (the adapter under LoRA), the tokenizer, the run's config files and the
         trainer state that ``resume_from`` continues from, durably; refuses non-finite weights. Under
-        data parallel every rank calls it and rank 0 writes (the ranks hold the same weights and state)."""
+        torchrun every rank calls it (under FSDP2 each helps gather the whole weights) and rank 0 writes."""
         bad = [name for name, p in self.model.named_parameters()
                if p.requires_grad and not bool((p.to_local() if is_sharded(p) else p).isfinite().all())]
-        if self.world.max([len(bad)])[0]:
+        count = int(self.world.sum([len(bad)])[0])  # over every rank's shards under FSDP2
+        if count:
             first = f" (first: {bad[0]})" if bad else ""
-            raise ValueError(f"refusing to save {path}: trained tensors hold NaN or inf{first}; the last complete "
-                             "checkpoint stays as it was")
+            raise ValueError(f"refusing to save {path}: {count} trained tensors hold NaN or inf{first}; the last "
+                             "complete checkpoint stays as it was")
         saved = Path(path)
         weights, optimizer = checkpoint.gather_sharded(self.model, self.optimizer) if self._units else (None, None)
         if self.world.is_main:
