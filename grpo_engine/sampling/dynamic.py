@@ -1,20 +1,17 @@
 """DAPO dynamic sampling: train only on groups that carry a learning signal; a Sampler wrapper.
 
 DAPO (arXiv 2503.14476, section 3.2) drops every group whose rewards are all equal (every advantage
-0: it adds nothing to the gradient but dilutes the step) and keeps sampling fresh prompts until the
-batch is full. :class:`DynamicSampling` wraps the trainer's sampler (``GRPOTrainer(sampler=
-DynamicSampling(...))`` binds it to the trainer's sampler, rewards and prompt source):
+0: no gradient, a diluted step) and samples fresh prompts until the batch is full. ``GRPOTrainer(
+sampler=DynamicSampling(...))`` binds it to the trainer's sampler, rewards and prompt source:
 
 - A group is kept iff its rewards are not all equal: the total, or one reward of the breakdown
   with ``key`` (``key="math_accuracy"`` keeps exactly DAPO's 0 < accuracy < 1).
-- Round 1 samples the prompts it is given; each further round draws as many fresh prompts from the
-  prompt source as groups are still missing, up to ``max_rounds`` rounds.
-- The batch it returns holds every group drawn, scored (``RolloutBatch.rewards``), with the first B
-  kept groups marked in ``trained_groups``; when none was kept, the last round's groups are (every
-  advantage is then 0). ``metrics`` reports the rounds, groups sampled and kept.
-- Under data parallel (bound with a ``World``) the rounds are the whole step's: each round every rank
-  draws the same fresh prompts and samples its slice, and the first groups still missing are taken in
-  the order one process would take them.
+- Round 1 samples the prompts it is given; each further round draws as many fresh prompts as groups
+  are still missing, up to ``max_rounds`` rounds.
+- It returns every group drawn, scored, with the first B kept groups marked in ``trained_groups``
+  (none kept: the last round's, every advantage 0); ``metrics``: rounds, groups sampled and kept.
+- Under data parallel (bound with a ``World``) the rounds are the whole step's: every rank draws the
+  same fresh prompts and samples its slice, and the groups kept are those one process keeps.
 """
 
 from __future__ import annotations
