@@ -405,8 +405,4 @@ def _truncate_metrics(path: Path, step: int) -> None:
     kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
     if len(kept) == len(lines):
         return
-    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
-    tmp.write_text("".join(kept))
-    _fsync_path(tmp)
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
+    write_text_atomic(path, "".join(kept))

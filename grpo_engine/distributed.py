@@ -148,30 +148,26 @@ class World:
 
     def sum_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Sums ``.grad`` over the ranks in place (a rank that trained no row adds zeros), in buckets of
-        up to 2^24 elements per dtype."""
+        about 2^24 elements per dtype (one all-reduce each)."""
         if self.size == 1:
             return
         params = [p for p in params if p.requires_grad and not is_sharded(p)]  # FSDP2 summed its shards
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        buckets: dict[tuple[torch.dtype, torch.device, int], list[Tensor]] = {}
+        filled: dict[tuple[torch.dtype, torch.device], int] = {}
         for p in params:
-            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-        for grads in by_dtype.values():
-            bucket: list[Tensor] = []
-            for grad in [*grads, None]:
-                if grad is not None and (not bucket or sum(g.numel() for g in bucket) + grad.numel() <= _BUCKET):
-                    bucket.append(grad)
-                    continue
-                if bucket:
-                    flat = torch.cat([g.reshape(-1) for g in bucket]).to(self._tensor_device())
-                    dist.all_reduce(flat)
-                    offset = 0
-                    for g in bucket:
-                        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                        offset += g.numel()
-                bucket = [grad] if grad is not None else []
+            kind = (p.grad.dtype, p.grad.device)
+            filled[kind] = filled.get(kind, 0) + p.grad.numel()
+            buckets.setdefault((*kind, (filled[kind] - 1) // _BUCKET), []).append(p.grad)
+        for grads in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in grads]).to(self._tensor_device())
+            dist.all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def clip_grad_norm(self, params: Sequence[Tensor], max_norm: float) -> float:
         """``torch.nn.utils.clip_grad_norm_`` over every rank's shards too: the norm of the whole gradient

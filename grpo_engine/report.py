@@ -60,54 +60,61 @@ class TensorBoardLogger(Callback):
             self.writer = None
 
 
-class WandbLogger(Callback):
+class _RunLogger(Callback):
+    """A tracker run opened at the start (or the first step), fed every step's metrics, closed at the end."""
+
+    def __init__(self, project: str = "grpo_engine", **init_kwargs: Any) -> None:
+        self.project, self.init_kwargs, self.run = project, init_kwargs, None
+
+    def on_step_end(self, trainer: Any, state: TrainerState, control: TrainerControl, *,
+                    metrics: dict[str, float]) -> None:
+        if self.run is None:
+            self.on_train_start(trainer, state, control)
+        self._log(dict(metrics), state.step)
+
+    def on_train_end(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
+        if self.run is not None:
+            self._finish()
+            self.run = None
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+
+class WandbLogger(_RunLogger):
     """Logs every step's metrics to Weights & Biases (``WANDB_MODE=offline`` keeps the run on disk).
 
     Args:
         project: the W&B project; extra keyword arguments go to ``wandb.init`` (``name``, ``tags``...).
     """
 
-    def __init__(self, project: str = "grpo_engine", **init_kwargs: Any) -> None:
-        self.project, self.init_kwargs, self.run = project, init_kwargs, None
-
     def on_train_start(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
         wandb = _require("wandb", "wandb")
         self.run = wandb.init(project=self.project, dir=state.output_dir, config=_run_config(trainer),
                               **self.init_kwargs)
 
-    def on_step_end(self, trainer: Any, state: TrainerState, control: TrainerControl, *,
-                    metrics: dict[str, float]) -> None:
-        if self.run is None:
-            self.on_train_start(trainer, state, control)
-        self.run.log(dict(metrics), step=state.step)
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
 
-    def on_train_end(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+    def _finish(self) -> None:
+        self.run.finish()
 
 
-class TrackioLogger(Callback):
+class TrackioLogger(_RunLogger):
     """Logs every step's metrics to trackio (Hugging Face's local-first tracker; ``trackio show``)."""
 
-    def __init__(self, project: str = "grpo_engine", **init_kwargs: Any) -> None:
-        self.project, self.init_kwargs, self.run = project, init_kwargs, None
-
     def on_train_start(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
-        trackio = _require("trackio", "trackio")
-        self.run = trackio.init(project=self.project, config=_run_config(trainer), **self.init_kwargs)
-        self._trackio = trackio
+        self._trackio = _require("trackio", "trackio")
+        self.run = self._trackio.init(project=self.project, config=_run_config(trainer), **self.init_kwargs)
 
-    def on_step_end(self, trainer: Any, state: TrainerState, control: TrainerControl, *,
-                    metrics: dict[str, float]) -> None:
-        if self.run is None:
-            self.on_train_start(trainer, state, control)
-        self._trackio.log(dict(metrics), step=state.step)
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        self._trackio.log(metrics, step=step)
 
-    def on_train_end(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
-        if self.run is not None:
-            self._trackio.finish()
-            self.run = None
+    def _finish(self) -> None:
+        self._trackio.finish()
 
 
 BACKENDS = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "trackio": TrackioLogger}
