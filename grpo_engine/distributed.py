@@ -139,6 +139,24 @@ class World:
         """Element-wise maxima over the ranks."""
         return self._reduce(values, dist.ReduceOp.MAX)
 
+    def cat(self, values: Tensor) -> Tensor:
+        """Every rank's 1-D ``values`` (lengths may differ) concatenated in rank order, in their dtype;
+        sent as float64, so a rank with nothing to add passes ``torch.zeros(0)`` of any float dtype."""
+        if self.size == 1:
+            return values
+        device = self._tensor_device()
+        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(self.size)]
+        dist.all_gather(sizes, torch.tensor([values.numel()], dtype=torch.long, device=device))
+        counts = [int(n) for n in sizes]
+        if not max(counts):
+            return values.reshape(-1)
+        padded = torch.zeros(max(counts), dtype=torch.float64, device=device)
+        padded[:values.numel()] = values.reshape(-1).detach().to(device=device, dtype=torch.float64)
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded)
+        whole = torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
+        return whole.to(device=values.device, dtype=values.dtype)
+
     def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
         if self.size == 1:
             return [float(v) for v in values]

@@ -478,7 +478,10 @@ class GRPOTrainer:
             counted = self.loss.requires.zero_advantage_rows or not self._units
             trained_tokens = max(1, int(world.sum([batch.completion_mask[rows].sum() if counted else
                                                    batch.completion_mask[rows[advantages[rows] != 0]].sum()])[0]))
-            for idx in rows.split(self.memory.micro_batch_size) if rows.numel() else ():
+            micro_batches = rows.split(self.memory.micro_batch_size) if rows.numel() else ()
+            gather = world.cat if self.loss.requires.micro_batch_gather else None  # once per micro-batch
+            missing = int(world.max([len(micro_batches)])[0]) - len(micro_batches) if gather else 0
+            for idx in micro_batches:
                 pid, pmask, cid, cmask = batch.trimmed(idx)
                 # forward and loss under autocast (mixed precision), backward outside it
                 with activation_offload(self.memory), self._autocast():  # saved tensors to CPU memory, if planned
@@ -501,13 +504,15 @@ class GRPOTrainer:
                         ref_logprobs=ref_logprobs[idx, :width].to(dev) if ref_logprobs is not None else None,
                         is_truncated=batch.is_truncated[idx].to(dev), entropy=entropy if pass_entropy else None,
                         sampler_logprobs=(batch.sampler_logprobs[idx, :width].to(dev)
-                                          if batch.sampler_logprobs is not None else None),
+                                          if batch.sampler_logprobs is not None else None), gather=gather,
                     )
                     out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=num_sequences)
                 out.loss.backward()
                 sums["loss"] += out.loss.detach()  # summed on the device: one host sync per step, not per micro-batch
                 for key, value in out.metrics.items():
                     sums[key] = sums.get(key, 0.0) + value.detach()
+            for _ in range(missing):  # this rank has no i-th micro-batch: it joins the others' gathers with nothing
+                world.cat(torch.zeros(0))
         finally:
             self.model.eval()
         world.sum_gradients(trainable_parameters(self.model))

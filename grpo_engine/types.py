@@ -17,7 +17,7 @@ prompt, so no stage ever joins prompts and answers by index.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -210,6 +210,11 @@ class MicroBatch:
             gradient, when the loss asks for it (``requires_entropy``), else None.
         sampler_logprobs: [n, C] the sampler's own log-probs of the tokens, when the loss asks
             for them (``requires_sampler_logprobs``), else None.
+        gather: when the loss asks for it (``requires.micro_batch_gather``), a function that returns
+            a 1-D tensor concatenated over this micro-batch of every rank (the i-th of each, in
+            rank order; itself on one process), for a statistic over the micro-batch such as the
+            top-entropy threshold. Called once per micro-batch, on every rank. None: the micro-batch
+            alone.
     """
 
     completion_mask: Tensor  # [n, C] bool
@@ -219,6 +224,7 @@ class MicroBatch:
     is_truncated: Tensor | None = None  # [n] bool
     entropy: Tensor | None = None  # [n, C]
     sampler_logprobs: Tensor | None = None  # [n, C]
+    gather: Callable[[Tensor], Tensor] | None = None  # [k] -> [k over every rank]
 
 
 @dataclass(frozen=True)
@@ -234,6 +240,9 @@ class Requirements:
         entropy: the token entropy with gradient (``MicroBatch.entropy``).
         zero_advantage_rows: a completion with advantage 0 can change the loss; False lets the
             trainer skip its forward and backward (a loss whose every term is scaled by A).
+        micro_batch_gather: the loss calls ``MicroBatch.gather`` once per micro-batch (a statistic
+            over the i-th micro-batch of every rank); the trainer then supplies it, and a rank with
+            fewer micro-batches than another joins the missing calls with nothing.
 
     Example:
         >>> Requirements(ref_logprobs=True).entropy
@@ -245,6 +254,7 @@ class Requirements:
     sampler_logprobs: bool = False
     entropy: bool = False
     zero_advantage_rows: bool = True
+    micro_batch_gather: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,16 @@
     torchrun --standalone --nproc_per_node 2 tests/_dp_run.py OUT CASE [CASE ...] [--resume-step N]
     python tests/_dp_run.py OUT CASE ...     # one process
 
-Each case trains a tiny model for 2 steps (the demo and curriculum cases 3) and writes
+Each case trains a tiny model for 2 steps (the demo, curriculum and dynamic cases 3) and writes
 ``OUT/<case>/rank<r>.pt``: the summed gradient of every step (captured just before
-``optimizer.step()``), the trained weights after every step, and the logged metrics (times left out).
+``optimizer.step()``), the trained weights after every step, the logged metrics (times left out) and,
+with ``PoolRecorder``, each micro-batch's entropy pool.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -50,6 +52,26 @@ class StartsWithDigit(Reward):
         return float(completion[:1].isdigit())
 
 
+class PoolRecorder:
+    """``ClippedSurrogate(top_entropy_quantile=0.2)`` that records, per micro-batch, this rank's valid-token
+    entropies and the pool its threshold was taken over (what ``MicroBatch.gather`` returned)."""
+
+    def __init__(self):
+        self.inner = ClippedSurrogate(top_entropy_quantile=0.2)
+        self.requires, self.pools = self.inner.requires, []
+
+    def counts(self, completion_mask, is_truncated=None):
+        return self.inner.counts(completion_mask, is_truncated)
+
+    def __call__(self, logprobs, batch, **counts):
+        def gather(values):
+            pooled = batch.gather(values)
+            self.pools.append((values.clone(), pooled.clone()))
+            return pooled
+
+        return self.inner(logprobs, dataclasses.replace(batch, gather=gather), **counts)
+
+
 class Eval(HeldOutEval):
     """Held-out pass@1 at every step (rank 0 evaluates; under FSDP2 with the whole model gathered)."""
 
@@ -72,10 +94,16 @@ def case(name: str) -> dict:
         "curriculum": dict(curriculum=True, entropy=SemanticEntropy(), memory=lora,
                            callbacks=[AdaptiveTemperature(collapse_fraction=0.0, step=0.1)]),
         "dynamic": dict(sampler=DynamicSampling(max_rounds=3), rewards=[StartsWithDigit()], memory=lora),
+        "top_entropy": dict(loss=ClippedSurrogate(top_entropy_quantile=0.2),  # one micro-batch per rank
+                            memory=MemoryPlan(lora=LoRA(r=4), micro_batch_size=16)),
+        "dynamic_top_entropy": dict(sampler=DynamicSampling(max_rounds=3), rewards=[StartsWithDigit()],
+                                    loss=PoolRecorder(), memory=MemoryPlan(lora=LoRA(r=4), micro_batch_size=2)),
         "fsdp_lora": dict(memory=MemoryPlan(lora=LoRA(r=4), micro_batch_size=4, sharding="fsdp",
                                             merge_lora_for_sampling=True), callbacks=[Eval()]),
         "fsdp_full": dict(loss=ClippedSurrogate(aggregation="token"), memory=MemoryPlan(micro_batch_size=3,
                                                                                         sharding="fsdp")),
+        "fsdp_top_entropy": dict(loss=ClippedSurrogate(top_entropy_quantile=0.2),
+                                 memory=MemoryPlan(micro_batch_size=16, sharding="fsdp")),
         "demo": dict(memory=MemoryPlan(lora=LoRA(r=16), micro_batch_size=16, merge_lora_for_sampling=True),
                      demo=True, **dr_grpo(16).components()),
     }
@@ -106,7 +134,7 @@ def build(name: str, out: Path, steps: int, resume: str | None = None) -> GRPOTr
 
 
 def steps_of(name: str) -> int:
-    return 3 if name in ("demo", "curriculum", "dynamic") else 2
+    return 3 if name in ("demo", "curriculum", "dynamic", "dynamic_top_entropy") else 2
 
 
 def run(name: str, out: Path, resume: str | None = None) -> dict:
@@ -114,7 +142,7 @@ def run(name: str, out: Path, resume: str | None = None) -> dict:
     steps = steps_of(name)
     (out / name).mkdir(parents=True, exist_ok=True)
     trainer = build(name, out / name, steps, resume)
-    record: dict = {"grads": [], "weights": [], "metrics": []}
+    record: dict = {"grads": [], "weights": [], "metrics": [], "pools": []}
     step = trainer.optimizer.step
 
     def recording_step(*args, **kwargs):
@@ -126,6 +154,9 @@ def run(name: str, out: Path, resume: str | None = None) -> dict:
         metrics = trainer.step()
         record["weights"].append([local_value(p).detach().clone() for p in trainable_parameters(trainer.model)])
         record["metrics"].append({k: v for k, v in metrics.items() if not k.startswith(("time/", "tokens/generated_"))})
+        if isinstance(trainer.loss, PoolRecorder):
+            record["pools"].append(list(trainer.loss.pools))
+            trainer.loss.pools.clear()
         if not resume:
             trainer.save(out / name / f"checkpoint-{trainer.step_count}")
     file = f"resumed-rank{trainer.world.rank}.pt" if resume else f"rank{trainer.world.rank}.pt"

@@ -19,7 +19,8 @@ from grpo_engine.distributed import World
 from tests import _dp_run
 
 CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "dynamic", "demo",
-         "fsdp_lora", "fsdp_full"]
+         "top_entropy", "fsdp_lora", "fsdp_full", "fsdp_top_entropy"]
+TWO_RANKS_ONLY = ["dynamic_top_entropy"]  # checked against what its ranks recorded, not against one process
 WORKER = Path(_dp_run.__file__)
 
 
@@ -30,7 +31,7 @@ def runs(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-               str(root / "two"), *CASES]
+               str(root / "two"), *CASES, *TWO_RANKS_ONLY]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for case in CASES:
@@ -62,7 +63,7 @@ def test_two_ranks_give_the_gradients_weights_and_metrics_of_one_process(runs, c
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.parametrize("case", ["sequence", "demo", "fsdp_lora", "fsdp_full"])
+@pytest.mark.parametrize("case", ["sequence", "demo", "fsdp_lora", "fsdp_full", "dynamic_top_entropy"])
 def test_every_rank_holds_the_same_weights_and_metrics(runs, case):
     rank0, rank1 = load(runs[0], case), load(runs[0], case, "rank1.pt")
     assert max_diff(rank0["weights"][-1], rank1["weights"][-1]) == 0.0
@@ -132,6 +133,25 @@ def test_dynamic_sampling_took_extra_rounds_and_dropped_groups(runs):
     metrics = load(runs[0], "dynamic")["metrics"]
     assert max(m["dynamic_sampling/rounds"] for m in metrics) >= 2
     assert any(m["dynamic_sampling/groups_sampled"] > m["dynamic_sampling/groups_kept"] for m in metrics)
+
+
+def test_the_top_entropy_threshold_is_over_every_ranks_ith_micro_batch(runs):
+    """DynamicSampling leaves the ranks unequal rows, so unequal micro-batch counts (micro-batch 2). The
+    i-th micro-batch's pool on every rank is rank 0's i-th valid entropies then rank 1's (nothing from a
+    rank without an i-th): a rank with fewer micro-batches still joins every gather."""
+    pools = [load(runs[0], "dynamic_top_entropy", f"rank{r}.pt")["pools"] for r in (0, 1)]
+    assert len(pools[0]) == len(pools[1]) == _dp_run.steps_of("dynamic_top_entropy")
+    unequal = moved = False
+    for mine, theirs in zip(*pools, strict=True):
+        unequal |= len(mine) != len(theirs)
+        for i in range(max(len(mine), len(theirs))):
+            want = torch.cat([rank[i][0] for rank in (mine, theirs) if i < len(rank)])
+            for rank in (mine, theirs):
+                if i < len(rank):
+                    local, pool = rank[i]
+                    assert torch.equal(pool, want), f"micro-batch {i}"
+                    moved |= bool(torch.quantile(local, 0.8) != torch.quantile(pool, 0.8))
+    assert unequal and moved  # both situations occurred, so the checks above meant something
 
 
 def test_a_sampler_wrapper_must_declare_data_parallel(tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ import torch
 
 from grpo_engine.entropy.token import group_token_entropy, high_entropy_mask, token_entropy_mean
 from grpo_engine.losses import ClippedSurrogate
+from grpo_engine.ops.tokens import valid_values
+from grpo_engine.types import MicroBatch
 from tests.test_loss_variants import TRUNCATED, call, inputs, leaf
 
 NAN = math.nan
@@ -74,6 +76,43 @@ def test_high_entropy_mask_hand_values():
     assert not high_entropy_mask(padded, torch.zeros_like(pmask), 0.5).any()
     with pytest.raises(ValueError, match=r"top_entropy_quantile=1.5 must be in \[0, 1\]"):
         high_entropy_mask(ent, ONES5, 1.5)
+
+
+def test_high_entropy_mask_takes_the_threshold_over_a_given_pool():
+    """The pool adds 5, 6, 7 (another rank's tokens) to H = 0.1, 2.0, 0.3, 0.2, 1.5. ρ = 0.75: rank
+    0.25·7 = 1.75 in the sorted 8, 0.2 + 0.75·(0.3 - 0.2) = 0.275, so 0.2 drops; over the 5 alone the
+    rank is 0.25·4 = 1, threshold 0.2, and it is kept."""
+    ent = torch.tensor([[0.1, 2.0, 0.3, 0.2, 1.5]])
+    pool = torch.cat([valid_values(ent, ONES5), torch.tensor([5.0, 6.0, 7.0])])
+    assert high_entropy_mask(ent, ONES5, 0.75, among=pool).tolist() == [[False, True, True, False, True]]
+    assert high_entropy_mask(ent, ONES5, 0.75).tolist() == [[False, True, True, True, True]]
+    assert torch.equal(high_entropy_mask(ent, ONES5, 0.75, among=valid_values(ent, ONES5)),
+                       high_entropy_mask(ent, ONES5, 0.75))
+
+
+def test_the_loss_gathers_the_valid_tokens_left_after_its_filters():
+    """With ``mask_truncated`` the truncated row's entropies never reach the pool; the threshold is the
+    pool's (here: the other rank's 4.0 and 5.0 lift it above every local token but 3.0)."""
+    fn = ClippedSurrogate(aggregation="token", top_entropy_quantile=0.5, mask_truncated=True)
+    assert fn.requires.micro_batch_gather and not ClippedSurrogate().requires.micro_batch_gather
+    sent = []
+
+    def gather(values):
+        sent.append(values)
+        return torch.cat([values, torch.tensor([4.0, 5.0], dtype=values.dtype)])
+
+    ent = torch.tensor([[1.0, 3.0], [9.0, 9.0], [2.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, True], [True, False]])
+    batch = MicroBatch(mask, torch.ones(3, dtype=torch.float64), is_truncated=torch.tensor([False, True, False]),
+                       entropy=ent, gather=gather)
+    lp = leaf([[0.0, 0.0]] * 3)
+    out = fn(lp, batch, num_valid_tokens=3, num_sequences=2)
+    out.loss.backward()
+    assert [v.tolist() for v in sent] == [[1.0, 3.0, 2.0]]  # one call, row 1 (truncated) left out
+    # pool 1, 2, 3, 4, 5: median 3 -> only H = 3.0 keeps its policy term (-1/3 each kept token)
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1 / 3], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64),
+                               rtol=0, atol=1e-12)
+    assert out.metrics["high_entropy_fraction"].item() == pytest.approx(1 / 3)
 
 
 class _OneProcess:

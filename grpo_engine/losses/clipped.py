@@ -116,12 +116,14 @@ class ClippedSurrogate:
     @property
     def requires(self) -> Requirements:
         """What the terms need: reference log-probs (KL), sampler log-probs (TIS), the entropy (bonus,
-        high-entropy tokens); rows with advantage 0 matter when a term does not scale with A."""
+        high-entropy tokens); rows with advantage 0 matter when a term does not scale with A; the
+        high-entropy threshold is taken over every rank's micro-batch (``micro_batch_gather``)."""
         terms = self._filters + self._weights + self._penalties
         return Requirements(ref_logprobs=any(t.requires.ref_logprobs for t in terms),
                             sampler_logprobs=any(t.requires.sampler_logprobs for t in terms),
                             entropy=any(t.requires.entropy for t in terms),
-                            zero_advantage_rows=any(t.requires.zero_advantage_rows for t in terms))
+                            zero_advantage_rows=any(t.requires.zero_advantage_rows for t in terms),
+                            micro_batch_gather=any(t.requires.micro_batch_gather for t in terms))
 
     def counts(self, completion_mask: Tensor, is_truncated: Tensor | None = None) -> tuple[int, int]:
         """Step-global ``(num_valid_tokens, num_sequences)``: every valid token and row, less the rows a

@@ -20,7 +20,7 @@ from torch import Tensor
 from grpo_engine.losses._common import masked, safe_exp
 from grpo_engine.losses.aggregation import token_share
 from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator
-from grpo_engine.ops.tokens import high_entropy_mask
+from grpo_engine.ops.tokens import high_entropy_mask, valid_values
 from grpo_engine.types import MicroBatch, Requirements
 
 __all__ = ["MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "EntropyBonus", "kl_tokens"]
@@ -82,7 +82,8 @@ class TruncatedIS:
 @dataclass(frozen=True)
 class HighEntropyTokens:
     """Surrogate weight: the policy term only on the micro-batch's valid tokens in the top ``quantile``
-    fraction by (detached) entropy, 0 elsewhere; counts unchanged (metric ``high_entropy_fraction``)."""
+    fraction by (detached) entropy, 0 elsewhere; counts unchanged (metric ``high_entropy_fraction``).
+    Under torchrun the threshold is over this micro-batch of every rank (``MicroBatch.gather``)."""
 
     quantile: float
 
@@ -93,11 +94,12 @@ class HighEntropyTokens:
 
     @property
     def requires(self) -> Requirements:  # rows with A = 0 move the quantile: they must be run
-        return Requirements(entropy=True, zero_advantage_rows=True)
+        return Requirements(entropy=True, zero_advantage_rows=True, micro_batch_gather=True)
 
     def apply(self, policy: Tensor, clipped: Tensor, logp: Tensor, old: Tensor, mask: Tensor, batch: MicroBatch,
               num_valid_tokens: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        high = high_entropy_mask(batch.entropy.detach(), mask, self.quantile)
+        among = batch.gather(valid_values(batch.entropy, mask)) if batch.gather is not None else None
+        high = high_entropy_mask(batch.entropy.detach(), mask, self.quantile, among=among)
         policy = torch.where(high, policy, torch.zeros((), dtype=logp.dtype, device=logp.device))
         return policy, clipped & high, {"high_entropy_fraction": high.sum().to(logp.dtype) / num_valid_tokens}
 

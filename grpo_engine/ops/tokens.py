@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["token_entropy_mean", "group_token_entropy", "high_entropy_mask"]
+__all__ = ["token_entropy_mean", "group_token_entropy", "high_entropy_mask", "valid_values"]
 
 
 def _masked(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -19,6 +19,17 @@ def _masked(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     mask = mask.to(device=values.device, dtype=torch.bool)
     dtype = torch.promote_types(values.dtype, torch.float32)
     return torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device)), mask
+
+
+def valid_values(values: Tensor, mask: Tensor) -> Tensor:
+    """[k] the detached values at the valid positions, as float (at least float32), in row order.
+
+    Example:
+        >>> valid_values(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[True, False], [True, True]]))
+        tensor([1., 3., 4.])
+    """
+    values, mask = _masked(values.detach(), mask)
+    return values[mask]
 
 
 def _check_shapes(name: str, entropy: Tensor, mask: Tensor) -> None:
@@ -88,7 +99,8 @@ def group_token_entropy(entropy: Tensor, mask: Tensor, group_size: int) -> Tenso
     return sums / counts.to(values.dtype)
 
 
-def high_entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float) -> Tensor:
+def high_entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float, *,
+                      among: Tensor | None = None) -> Tensor:
     """True on the valid tokens whose entropy is in the top ``top_entropy_quantile`` fraction.
 
     The threshold is ``torch.quantile(H[mask], 1 - top_entropy_quantile)`` (linear interpolation
@@ -103,6 +115,9 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float
         entropy: [n, C] per-token entropy; padding may hold anything.
         mask: [n, C] True on valid tokens.
         top_entropy_quantile: ρ in [0, 1], the fraction to keep (the paper uses 0.2).
+        among: 1-D entropies to take the threshold over instead of ``H[mask]``, e.g. the valid
+            tokens of this micro-batch on every rank (``valid_values``, gathered); they must
+            include this micro-batch's own.
 
     Returns:
         [n, C] bool, False on padding; all False when no token is valid.
@@ -117,7 +132,8 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float
         raise ValueError(f"high_entropy_mask: top_entropy_quantile={top_entropy_quantile!r} must be in [0, 1] "
                          "(the fraction of tokens to keep; the paper uses 0.2)")
     values, mask = _masked(entropy.detach(), mask)
-    valid = values[mask].sort().values  # [k]
+    pool = values[mask] if among is None else among.detach().to(device=values.device, dtype=values.dtype)
+    valid = pool.sort().values  # [k]
     k = valid.shape[0]
     if k == 0:
         return torch.zeros_like(mask)
