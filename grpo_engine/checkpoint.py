@@ -8,7 +8,9 @@
   set-aside one whose replacement is missing.
 - A trainer checkpoint adds ``trainer_state.pt`` (optimizer, scheduler, RNG states of python, numpy,
   torch CPU and CUDA, the prompt source's and every callback's state, step, clock, temperature,
-  skipped steps) and ``trainer_state.json`` (what the run is made of, for the resume check).
+  skipped steps) and ``trainer_state.json`` (what the run is made of, for the resume check); under
+  FSDP2 the optimizer state is an ``optimizer/`` folder of ``torch.distributed.checkpoint`` shards
+  (one file per rank), resharded on load for any number of ranks.
 - :func:`restore` loads all of it into a freshly built trainer; a changed setting is refused naming
   each field (the safe ones may change when named in ``Resume.allow_changes``).
 """
@@ -23,6 +25,7 @@ import random
 import re
 import shutil
 import uuid
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +35,10 @@ import torch
 from torch import nn
 
 __all__ = ["save_pretrained_atomic", "write_text_atomic", "clean_leftovers", "latest_checkpoint", "prune_checkpoints",
-           "Resume", "trainer_state", "restore", "resolve", "load_weights", "gather_sharded", "ResumeError",
-           "SAFE_CHANGES"]
+           "Resume", "trainer_state", "restore", "resolve", "load_weights", "gather_weights", "staging_folder",
+           "save_sharded_optimizer", "load_sharded_optimizer", "ResumeError", "SAFE_CHANGES"]
 
-STATE_FILE, SUMMARY_FILE = "trainer_state.pt", "trainer_state.json"
+STATE_FILE, SUMMARY_FILE, OPTIMIZER_DIR = "trainer_state.pt", "trainer_state.json", "optimizer"
 # settings that may change on resume (when named): limits, bookkeeping, and what changes only speed or summation order
 SAFE_CHANGES = frozenset({
     "config.max_steps", "config.max_train_seconds", "config.save_every_steps", "config.keep_last_checkpoints",
@@ -116,9 +119,16 @@ def _replace_folder(tmp: Path, path: Path) -> None:
     _fsync_path(path.parent)
 
 
+def staging_folder(path: str | Path) -> Path:
+    """A fresh hidden temporary sibling of ``path`` to write a save into (:func:`clean_leftovers` removes
+    it if the save never completes)."""
+    path = Path(path)
+    return path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
+
+
 def save_pretrained_atomic(model: nn.Module, tokenizer: Any, path: str | Path,
                            extra_files: dict[str, str] | None = None, objects: dict[str, Any] | None = None,
-                           state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+                           state_dict: dict[str, torch.Tensor] | None = None, tmp: Path | None = None) -> Path:
     """Saves ``model`` and ``tokenizer`` in the transformers / peft layout at ``path``, durably.
 
     Args:
@@ -128,13 +138,15 @@ def save_pretrained_atomic(model: nn.Module, tokenizer: Any, path: str | Path,
         extra_files: file name -> text, written beside the weights (e.g. the run's YAML config).
         objects: file name -> object written with ``torch.save`` (e.g. the trainer state).
         state_dict: the model's whole weights when its modules hold shards (FSDP2), else None.
+        tmp: the :func:`staging_folder` to complete, when other files were written into it first (the
+            ranks' optimizer shards); by default a new one.
 
     Returns:
         The target path.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
+    tmp = tmp if tmp is not None else staging_folder(path)
     try:
         model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
         if tokenizer is not None:
@@ -257,27 +269,55 @@ def run_description(trainer: Any) -> dict[str, Any]:
     return {"settings": settings, "components": components}
 
 
-def gather_sharded(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The whole weights and optimizer state of an FSDP2-sharded model, on rank 0's CPU (a collective:
-    every rank calls it; the others get empty dicts). The optimizer state is keyed by parameter name
-    (``torch.distributed.checkpoint.state_dict``), so it loads on any number of ranks, one included."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+def gather_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights of an FSDP2-sharded model on rank 0's CPU (a collective: every rank calls it;
+    the others get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return (get_model_state_dict(model, options=options),
-            get_optimizer_state_dict(model, optimizer, options=options))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def trainer_state(trainer: Any, optimizer: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the state to ``torch.save``, the JSON summary) of a trainer between steps; ``optimizer``: a
-    name-keyed whole optimizer state (:func:`gather_sharded`) in place of ``optimizer.state_dict()``."""
+def save_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Every rank writes its shard of the optimizer state, keyed by parameter name, into ``folder`` with
+    ``torch.distributed.checkpoint`` (a collective; files fsynced): nothing is gathered on one rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, storage_writer=dcp.FileSystemWriter(folder))
+
+
+def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Loads a :func:`save_sharded_optimizer` folder into ``optimizer``, resharded for this run: 1/K per
+    rank under FSDP2 on any K, or whole (data parallel, one process)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the shapes and placements to fill
+    with warnings.catch_warnings():  # one process is what we mean when torch.distributed is not started
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=not dist.is_initialized())
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` of the whole model (keyed by position) keyed by parameter name, for a
+    model sharded since: the positions follow the parameter order, which sharding keeps."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(order) != sum(len(g["params"]) for g in saved["param_groups"]):
+        raise ResumeError(f"the saved optimizer holds {sum(len(g['params']) for g in saved['param_groups'])} "
+                          f"parameters, this trainer {len(order)}; resume with the model and LoRA plan of the run")
+    return {"state": {order[i]: value for i, value in saved["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
+
+
+def trainer_state(trainer: Any, sharded_optimizer: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the state to ``torch.save``, the JSON summary) of a trainer between steps; ``sharded_optimizer``:
+    the optimizer state is written beside it by :func:`save_sharded_optimizer`, not in it."""
     state = {
-        "optimizer": trainer.optimizer.state_dict() if optimizer is None else optimizer,
-        "optimizer_by_name": optimizer is not None, "scheduler": trainer.scheduler.state_dict(),
+        "optimizer": None if sharded_optimizer else trainer.optimizer.state_dict(),
+        "optimizer_format": "dcp" if sharded_optimizer else "state_dict", "scheduler": trainer.scheduler.state_dict(),
         "rng": _rng_states(), "prompts": trainer.prompts.state_dict(),
         "callbacks": [c.state_dict() for c in trainer.callbacks], "skipped_in_a_row": trainer._skipped_in_a_row,
         "warned_zero_std": trainer._warned_zero_std,
@@ -375,10 +415,13 @@ def restore(trainer: Any, resume: Resume, folder: Path | None = None, *, weights
                          f"{len(trainer.callbacks)}; pass the same callbacks in the same order")
     if weights:
         load_weights(trainer.model, folder)
-    if state.get("optimizer_by_name"):  # saved whole from FSDP2 shards: loads sharded or not
+    if state.get("optimizer_format") == "dcp":  # the ranks' shards (FSDP2): loads sharded or not
+        load_sharded_optimizer(trainer.model, trainer.optimizer, folder / OPTIMIZER_DIR)
+    elif any(hasattr(p, "full_tensor") for p in trainer.model.parameters()):  # a whole state into shards (DTensors)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"],
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, _by_name(trainer.model, trainer.optimizer,
+                                                                             state["optimizer"]),
                                  options=StateDictOptions(full_state_dict=True))
     else:
         trainer.optimizer.load_state_dict(state["optimizer"])

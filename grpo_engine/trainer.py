@@ -326,7 +326,8 @@ class GRPOTrainer:
     def save(self, path: str | Path) -> Path:
         """Saves the policy (the adapter under LoRA), the tokenizer, the run's config files and the
         trainer state that ``resume_from`` continues from, durably; refuses non-finite weights. Under
-        torchrun every rank calls it (under FSDP2 each helps gather the whole weights) and rank 0 writes."""
+        torchrun every rank calls it and rank 0 writes (under FSDP2 each rank helps gather the whole weights
+        and writes its own optimizer shard)."""
         bad = [name for name, p in self.model.named_parameters()
                if p.requires_grad and not bool((p.to_local() if is_sharded(p) else p).isfinite().all())]
         count = int(self.world.sum([len(bad)])[0])  # over every rank's shards under FSDP2
@@ -334,14 +335,17 @@ class GRPOTrainer:
             first = f" (first: {bad[0]})" if bad else ""
             raise ValueError(f"refusing to save {path}: {count} trained tensors hold NaN or inf{first}; the last "
                              "complete checkpoint stays as it was")
-        saved = Path(path)
-        weights, optimizer = checkpoint.gather_sharded(self.model, self.optimizer) if self._units else (None, None)
+        saved, weights, tmp = Path(path), None, None
+        if self._units:  # FSDP2: the whole weights to rank 0; each rank writes its optimizer shard
+            weights = checkpoint.gather_weights(self.model)
+            tmp = self.world.broadcast(checkpoint.staging_folder(saved) if self.world.is_main else None)
+            checkpoint.save_sharded_optimizer(self.model, self.optimizer, tmp / checkpoint.OPTIMIZER_DIR)
         if self.world.is_main:
-            state, summary = checkpoint.trainer_state(self, optimizer=optimizer)
+            state, summary = checkpoint.trainer_state(self, sharded_optimizer=bool(self._units))
             extras = {"grpo_config.yaml": self.config.to_yaml(), "memory_plan.yaml": self.memory.to_yaml(),
                       checkpoint.SUMMARY_FILE: json.dumps(summary, indent=1)}
             saved = checkpoint.save_pretrained_atomic(self.model, self.tokenizer, path, extras,
-                                                      {checkpoint.STATE_FILE: state}, state_dict=weights)
+                                                      {checkpoint.STATE_FILE: state}, state_dict=weights, tmp=tmp)
         self.world.barrier()  # no rank moves on before the checkpoint is complete
         self._event("on_save", path=saved)
         return saved

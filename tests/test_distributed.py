@@ -89,21 +89,39 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_and_continues_equally(runs
         assert resumed["metrics"][0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-def test_a_two_rank_fsdp_checkpoint_resumes_sharded_on_two_ranks(runs, tmp_path):
-    """The whole weights and name-keyed optimizer state of a sharded run load into a sharded model."""
+def test_an_fsdp_checkpoint_holds_one_optimizer_shard_per_rank(runs):
+    """The weights are one ordinary model file; the optimizer state is torch.distributed.checkpoint's
+    shards (one file per rank), nothing of it in trainer_state.pt."""
+    folder = runs[0] / "fsdp_full" / "checkpoint-1"
+    assert sorted(p.name for p in (folder / "optimizer").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    assert state["optimizer"] is None and state["optimizer_format"] == "dcp"
+    assert (folder / "model.safetensors").is_file()
+    plain = torch.load(runs[1] / "fsdp_full" / "checkpoint-1" / "trainer_state.pt", weights_only=False)
+    assert plain["optimizer_format"] == "state_dict" and plain["optimizer"]["state"]  # one process: as before
+
+
+def test_checkpoints_reshard_onto_two_fsdp_ranks(runs, tmp_path):
+    """Onto 2 sharded ranks: a 2-rank FSDP2 checkpoint (its optimizer shards loaded through
+    torch.distributed.checkpoint) and a one-process one (its whole optimizer state, keyed by position,
+    cut into shards by parameter name). Both continue as the uninterrupted one-process run."""
     import shutil
 
     two, one = runs
     shutil.copytree(two / "fsdp_full", tmp_path / "fsdp_full")
+    shutil.copytree(one / "fsdp_lora", tmp_path / "fsdp_lora")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-               str(tmp_path), "fsdp_full", "--resume-step", "1"]
+               str(tmp_path), "fsdp_full", "fsdp_lora", "--resume-step", "1"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    resumed, reference = load(tmp_path, "fsdp_full", "resumed-rank0.pt"), load(one, "fsdp_full")
-    assert max_diff(resumed["grads"][0], reference["grads"][1]) < 1e-6
-    assert max_diff(resumed["weights"][0], reference["weights"][1]) < 1e-6
+    for case in ("fsdp_full", "fsdp_lora"):
+        resumed, reference = load(tmp_path, case, "resumed-rank0.pt"), load(one, case)
+        assert max_diff(resumed["grads"][0], reference["grads"][1]) < 1e-6, case
+        assert max_diff(resumed["weights"][0], reference["weights"][1]) < 1e-6, case
+        for key, value in reference["metrics"][1].items():
+            assert resumed["metrics"][0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (case, key)
 
 
 def test_fsdp_refuses_what_it_cannot_shard(tmp_path, monkeypatch):
