@@ -194,6 +194,25 @@ class RewardOutput:
     breakdown: Mapping[str, Tensor] = field(default_factory=dict)  # name -> [B, G]
     errors: Mapping[str, int] = field(default_factory=dict)
 
+    def scored(self, name: str, used_by: str) -> Tensor:
+        """[B, G] the breakdown reward ``name`` (present), for a statistic of every sample (a group's
+        accuracy or spread); ``used_by`` names the setting that asks, for the error.
+
+        Raises:
+            ValueError: the reward returned None for some samples (NaN here: it does not apply there).
+
+        Example:
+            >>> RewardOutput(torch.zeros(1, 2), {"acc": torch.tensor([[1.0, 0.0]])}).scored("acc", "key")
+            tensor([[1., 0.]])
+        """
+        values = self.breakdown[name]
+        missing = int(values.isnan().sum())
+        if missing:
+            raise ValueError(f"{used_by}: the reward {name!r} returned None for {missing} of {values.numel()} "
+                             "samples (it does not apply there), so a group's accuracy or spread is undefined; "
+                             "name a reward that scores every sample")
+        return values
+
 
 @dataclass(frozen=True)
 class MicroBatch:

@@ -111,3 +111,9 @@ def test_filter_on_one_reward_of_the_breakdown():
     assert trained(batch) == ["p1"] and batch.metrics["dynamic_sampling/groups_kept"] == 1
     with pytest.raises(KeyError, match="key='nope'"):
         draw(Script([[[0.9, 1.0], [1.0, 0.0]]]), 2, max_rounds=1, key="nope")
+    # a reward that returned None (NaN) for a sample: the group's spread is undefined, and NaN != x would
+    # have called it informative
+    nan = float("nan")
+    with pytest.raises(ValueError, match=r"DynamicSampling\(key='acc'\): the reward 'acc' returned None for 1 of 4 "
+                                         r"samples .* name a reward that scores every sample"):
+        draw(Script([[[0.9, 1.0], [1.0, 0.0]]], breakdown=[[1.0, nan], [1.0, 0.0]]), 2, max_rounds=1, key="acc")

@@ -108,6 +108,30 @@ def test_none_leaves_a_sample_out_of_the_weighted_sum_and_is_counted():
         WeightedSum([sometimes], normalize="each")(batch)
 
 
+def test_a_reward_that_returned_none_cannot_be_a_group_statistic():
+    """A curriculum's, a temperature controller's or SemanticEntropy's accuracy reward (and DynamicSampling's
+    key, tests/test_dynamic_sampling.py) must score every sample: each names itself and the fix."""
+    from grpo_engine.data.curriculum import group_accuracy
+    from grpo_engine.entropy import AdaptiveTemperature, SemanticEntropy
+
+    def sometimes(prompts, completions, **kwargs):
+        return [None if c == "skip" else 1.0 for c in completions]
+
+    batch = make_batch([Prompt("a"), Prompt("b")], ["x", "skip", "y", "z"], group_size=2)
+    out = WeightedSum([sometimes, FunctionReward(lambda prompts, completions, **k: [1.0] * 4, name="all")])(batch)
+    assert group_accuracy(out, "all").tolist() == [1.0, 1.0]
+    rule = r"the reward 'sometimes' returned None for 1 of 4 samples .* name a reward that scores every sample"
+    with pytest.raises(ValueError, match=r"accuracy_reward='sometimes': " + rule):
+        group_accuracy(out, "sometimes")
+    with pytest.raises(ValueError, match=r"AdaptiveTemperature\(accuracy_reward='sometimes'\): " + rule):
+        AdaptiveTemperature().on_rollout(None, None, None, batch=batch, rewards=out, uncertainty=torch.zeros(2))
+    with pytest.raises(KeyError, match=r"AdaptiveTemperature\(accuracy_reward='nope'\): not one of the rewards"):
+        AdaptiveTemperature(accuracy_reward="nope").on_rollout(None, None, None, batch=batch, rewards=out,
+                                                                uncertainty=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"SemanticEntropy\(correct_key='sometimes'\): " + rule):
+        SemanticEntropy(among="wrong", correct_key="sometimes")(batch, out)
+
+
 # -- peft as users write it -----------------------------------------------------------------------------------------
 
 

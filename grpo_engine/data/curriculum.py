@@ -29,6 +29,7 @@ def group_accuracy(rewards: RewardOutput, name: str | None = None) -> Tensor:
 
     Raises:
         KeyError: ``name`` is not a reward of the breakdown.
+        ValueError: it returned None for some samples.
     """
     if not rewards.breakdown:
         raise KeyError("the rewards have no breakdown; score them with WeightedSum")
@@ -36,7 +37,7 @@ def group_accuracy(rewards: RewardOutput, name: str | None = None) -> Tensor:
     if key not in rewards.breakdown:
         raise KeyError(f"accuracy_reward={key!r} is not one of the rewards {sorted(rewards.breakdown)}; pass one of "
                        "those names")
-    return rewards.breakdown[key].float().mean(dim=1)
+    return rewards.scored(key, f"accuracy_reward={key!r}").float().mean(dim=1)
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ class SemanticEntropy:
         if self.correct_key is None:
             scores = rewards.total
         elif self.correct_key in rewards.breakdown:
-            scores = rewards.breakdown[self.correct_key]
+            scores = rewards.scored(self.correct_key, f"SemanticEntropy(correct_key={self.correct_key!r})")
         else:
             raise ValueError(f"SemanticEntropy: correct_key={self.correct_key!r} is not a reward in the breakdown "
                              f"{sorted(rewards.breakdown)}; pass one of those names, or None to use rewards.total")

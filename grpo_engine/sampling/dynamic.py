@@ -91,7 +91,8 @@ class DynamicSampling:
                 if self.key is not None and self.key not in rewards.breakdown:
                     raise KeyError(f"DynamicSampling(key={self.key!r}) but the rewards are "
                                    f"{sorted(rewards.breakdown)}; use one of those names or key=None")
-                signal = rewards.total if self.key is None else rewards.breakdown[self.key]
+                signal = rewards.total if self.key is None else rewards.scored(self.key,
+                                                                                f"DynamicSampling(key={self.key!r})")
                 informative = (signal != signal[:, :1]).any(dim=1).cpu()
                 sampled = [sampled[0] + float(rewards.total.float().sum()), sampled[1] + rewards.total.numel()]
             else:  # no prompt for this rank this round: take the seed a call takes, as the others do
