@@ -221,8 +221,8 @@ class World:
 
     def barrier(self) -> None:
         """Waits for every rank."""
-        if self.size > 1:
-            dist.barrier()
+        if self.size > 1:  # NCCL: on this rank's GPU (not whichever it would guess)
+            dist.barrier(**({"device_ids": [self.local_rank]} if dist.get_backend() == "nccl" else {}))
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------------
@@ -237,8 +237,16 @@ def fully_shard_model(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     Raises:
         ValueError: the model has no ``get_decoder()`` with a ``layers`` module list.
+        RuntimeError: this torch has no FSDP2 with sum-only gradient reduction.
     """
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:
+        FSDPModule = None  # noqa: N806
+    if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        raise RuntimeError(f"sharding='fsdp' needs FSDP2 with FSDPModule.set_force_sum_reduction_for_comms "
+                           f"(torch.distributed.fsdp), which torch {torch.__version__} lacks; install a newer "
+                           "torch, or use sharding='none' (data parallel)")
 
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)

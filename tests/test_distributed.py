@@ -134,6 +134,18 @@ def test_fsdp_refuses_what_it_cannot_shard(tmp_path, monkeypatch):
                             memory=_dp_run.MemoryPlan(sharding="fsdp", optimizer="adamw8bit"))
 
 
+def test_fsdp_on_a_torch_without_sum_only_fsdp2_says_so(monkeypatch):
+    """No process group is needed: the check comes before any sharding."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from grpo_engine.distributed import fully_shard_model
+
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    with pytest.raises(RuntimeError, match=r"sharding='fsdp' needs FSDP2 .* lacks; install a newer torch, or use "
+                                           r"sharding='none'"):
+        fully_shard_model(_dp_run.tiny_llama(8))
+
+
 def test_prompts_per_step_must_split_evenly_across_ranks():
     with pytest.raises(ValueError, match=r"prompts_per_step=6 does not split across 4 processes.*e\.g\. 4 or 8"):
         World(rank=0, size=4).check_prompts_per_step(6)
