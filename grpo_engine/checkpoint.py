@@ -393,11 +393,11 @@ def resolve(trainer: Any, resume: Resume) -> Path:
     return folder
 
 
-def restore(trainer: Any, resume: Resume, folder: Path | None = None, *, weights: bool = True) -> Path:
+def restore(trainer: Any, resume: Resume, folder: Path | None = None, *, sharded: bool = False) -> Path:
     """Loads a checkpoint into a freshly built trainer: weights, optimizer, scheduler, RNG, prompt
     source, callbacks, step, clock, temperature; truncates ``metrics.jsonl`` after the checkpoint's step.
-    ``folder``: the one :func:`resolve` picked (default: resolved here); ``weights=False`` when they were
-    loaded already (before FSDP2 sharded the model).
+    ``folder``: the one :func:`resolve` picked (default: resolved here); ``sharded``: FSDP2 holds the model
+    (its weights were loaded before sharding; a whole optimizer state is cut into shards by name).
 
     Raises:
         FileNotFoundError: no checkpoint there.
@@ -413,11 +413,11 @@ def restore(trainer: Any, resume: Resume, folder: Path | None = None, *, weights
     if len(state["callbacks"]) != len(trainer.callbacks):
         raise ResumeError(f"{folder} was saved with {len(state['callbacks'])} callbacks, the trainer has "
                          f"{len(trainer.callbacks)}; pass the same callbacks in the same order")
-    if weights:
+    if not sharded:
         load_weights(trainer.model, folder)
     if state.get("optimizer_format") == "dcp":  # the ranks' shards (FSDP2): loads sharded or not
         load_sharded_optimizer(trainer.model, trainer.optimizer, folder / OPTIMIZER_DIR)
-    elif any(hasattr(p, "full_tensor") for p in trainer.model.parameters()):  # a whole state into shards (DTensors)
+    elif sharded:  # a whole-model state into shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(trainer.model, trainer.optimizer, _by_name(trainer.model, trainer.optimizer,

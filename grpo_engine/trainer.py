@@ -192,7 +192,7 @@ class GRPOTrainer:
         self._bad_logprob_rows: list[tuple[Tensor, Tensor]] = []
         self._event("on_init")
         self.resumed_from = None if resume is None else checkpoint.restore(self, resume, folder,
-                                                                           weights=not self._units)
+                                                                           sharded=bool(self._units))
 
     @property
     def step_count(self) -> int:

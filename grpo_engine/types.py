@@ -195,16 +195,19 @@ class RewardOutput:
     errors: Mapping[str, int] = field(default_factory=dict)
 
     def scored(self, name: str, used_by: str) -> Tensor:
-        """[B, G] the breakdown reward ``name`` (present), for a statistic of every sample (a group's
-        accuracy or spread); ``used_by`` names the setting that asks, for the error.
+        """[B, G] the breakdown reward ``name``, for a statistic of every sample (a group's accuracy or
+        spread); ``used_by`` names the setting that asks, for the errors.
 
         Raises:
+            KeyError: no reward of that name.
             ValueError: the reward returned None for some samples (NaN here: it does not apply there).
 
         Example:
             >>> RewardOutput(torch.zeros(1, 2), {"acc": torch.tensor([[1.0, 0.0]])}).scored("acc", "key")
             tensor([[1., 0.]])
         """
+        if name not in self.breakdown:
+            raise KeyError(f"{used_by}: not one of the rewards {sorted(self.breakdown)}; pass one of those names")
         values = self.breakdown[name]
         missing = int(values.isnan().sum())
         if missing:

@@ -14,3 +14,13 @@ def tokenizer():
 @pytest.fixture
 def tiny_model(tokenizer):
     return tiny_llama(len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random model and its tokenizer saved as a transformers folder (loaded by path)."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tok = char_tokenizer()
+    tiny_llama(len(tok)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

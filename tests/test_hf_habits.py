@@ -28,15 +28,6 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 SMALL = dict(prompts_per_step=2, group_size=2, max_completion_tokens=4, max_steps=1, progress_bar=False)
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    tok = char_tokenizer()
-    tiny_llama(len(tok)).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
 # -- prompts from anywhere ---------------------------------------------------------------------------------------
 
 

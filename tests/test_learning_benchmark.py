@@ -67,17 +67,6 @@ def test_checks_name_every_difference_that_breaks_the_comparison():
 # -- the smoke run --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from tests.tiny import char_tokenizer, tiny_llama
-
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = char_tokenizer()
-    tiny_llama(len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_smoke_run_trains_both_engines_and_reports(tiny_folder, tmp_path, capsys):
     pytest.importorskip("trl")
     out = tmp_path / "out"

@@ -12,17 +12,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import recipe_sweep  # noqa: E402
 
-from tests.tiny import char_tokenizer, tiny_llama  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = char_tokenizer()
-    tiny_llama(len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
 
 def test_each_variant_gets_a_curve_at_the_eval_steps(tiny_folder, capsys, monkeypatch):
     seen = []
