@@ -33,5 +33,6 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 def quiet_peft() -> Iterator[None]:
     """Ignores transformers' ``is_gradient_checkpointing`` deprecation warning, which peft triggers."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing. is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing. is deprecated",
+                                category=FutureWarning)
         yield

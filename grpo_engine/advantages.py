@@ -29,7 +29,8 @@ from grpo_engine.ops.groups import check_eps, zero_std_fraction, zero_where
 from grpo_engine.protocols import AdvantageFn
 
 __all__ = [
-    "GroupNormalized", "MeanBaseline", "RLOO", "ReinforcePlusPlusBaseline", "EntropyScaled", "zero_std_fraction",
+    "GroupNormalized", "MeanBaseline", "RLOO", "ReinforcePlusPlusBaseline", "EntropyScaled",
+    "zero_std_fraction",
 ]
 
 StdScope = Literal["group", "batch", "none"]
@@ -213,12 +214,14 @@ class EntropyScaled:
     def __post_init__(self) -> None:
         s = self.strength
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < float("inf"):
-            raise ValueError(f"EntropyScaled: strength={s!r} must be a finite number >= 0; for example strength=1.0")
+            raise ValueError(f"EntropyScaled: strength={s!r} must be a finite number >= 0; "
+                             "for example strength=1.0")
         if isinstance(self.fn, str) and self.fn not in _SCALINGS:
-            raise ValueError(f"EntropyScaled: fn={self.fn!r} must be one of {sorted(_SCALINGS)} or a callable "
-                             "mapping Tensor -> Tensor; for example fn='linear'")
+            raise ValueError(f"EntropyScaled: fn={self.fn!r} must be one of {sorted(_SCALINGS)} "
+                             "or a callable mapping Tensor -> Tensor; for example fn='linear'")
         if not isinstance(self.fn, str) and not callable(self.fn):
-            raise ValueError(f"EntropyScaled: fn={self.fn!r} must be a name in {sorted(_SCALINGS)} or a callable")
+            raise ValueError(f"EntropyScaled: fn={self.fn!r} must be a name in {sorted(_SCALINGS)} "
+                             "or a callable")
 
     def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
         """Base advantages [B, G] times the per-group factor f(strength * uncertainty) [B].
@@ -241,13 +244,14 @@ class EntropyScaled:
             )
         if rewards.dim() != 2 or tuple(uncertainty.shape) != (rewards.shape[0],):
             raise ValueError(
-                f"EntropyScaled: uncertainty shape {tuple(uncertainty.shape)} must be [B]=({rewards.shape[0]},) "
-                f"for rewards of shape {tuple(rewards.shape)} [B, G]: one value per prompt"
+                f"EntropyScaled: uncertainty shape {tuple(uncertainty.shape)} must be "
+                f"[B]=({rewards.shape[0]},) for rewards of shape {tuple(rewards.shape)} [B, G]: "
+                "one value per prompt"
             )
         advantages = self.base(rewards, uncertainty=uncertainty)
         f = _SCALINGS[self.fn] if isinstance(self.fn, str) else self.fn
         factor = f(self.strength * uncertainty.to(device=advantages.device, dtype=advantages.dtype))
         if tuple(factor.shape) != (rewards.shape[0],):
-            raise ValueError(f"EntropyScaled: fn returned shape {tuple(factor.shape)}; it must map x [B] to [B] "
-                             "elementwise")
+            raise ValueError(f"EntropyScaled: fn returned shape {tuple(factor.shape)}; "
+                             "it must map x [B] to [B] elementwise")
         return advantages * factor.unsqueeze(1)

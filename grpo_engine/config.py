@@ -65,7 +65,9 @@ class FrozenModel(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, type(self), title=type(self).__name__), exc) from None
+            raise ConfigError(
+                format_validation_error(exc, type(self), title=type(self).__name__), exc
+            ) from None
 
     # pydantic calls a custom __init__ when it validates a nested record, which would turn the nested
     # record's problems into one opaque line; marked as the base init, nested records keep their
@@ -101,7 +103,8 @@ class FrozenModel(BaseModel):
         return cls.model_validate(data or {})
 
 
-def format_validation_error(exc: ValidationError, model: type[FrozenModel], title: str = "the configuration") -> str:
+def format_validation_error(exc: ValidationError, model: type[FrozenModel],
+                            title: str = "the configuration") -> str:
     """One line per problem, with its location, and for an unknown field the closest known name (or
     where another library's name for it lives here)."""
     lines = []
@@ -141,7 +144,9 @@ def _owner(model: type[FrozenModel], path: tuple[Any, ...]) -> type[FrozenModel]
 
 def load_yaml(source: str | Path) -> Any:
     """Reads YAML from a path (``Path`` or an existing file name) or from YAML text."""
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and Path(source).is_file()):
+    if isinstance(source, Path) or (
+        isinstance(source, str) and "\n" not in source and Path(source).is_file()
+    ):
         source = Path(source).read_text()
     return yaml.safe_load(source)
 
@@ -164,19 +169,26 @@ class GRPOConfig(FrozenModel):
     prompts_per_step: int = Field(4, description="B: prompts sampled for each optimizer step.")
     group_size: int = Field(8, description="G: completions sampled per prompt; advantages compare a group.")
     updates_per_batch: int = Field(
-        1, description="mu: policy updates on one rollout batch (1 = strictly on-policy, no old-logprob pass)."
+        1, description="mu: policy updates on one rollout batch (1 = strictly on-policy, "
+        "no old-logprob pass)."
     )
-    max_prompt_tokens: int = Field(512, description="Longest rendered prompt; a longer one follows overlong_prompts.")
+    max_prompt_tokens: int = Field(
+        512, description="Longest rendered prompt; a longer one follows overlong_prompts."
+    )
     overlong_prompts: Literal["truncate", "drop", "error"] = Field(
-        "truncate", description="A training prompt over max_prompt_tokens: 'truncate' (lose the middle of the "
-        "question, keep the chat template's head; warned, counted in prompts/truncated), 'drop' (removed when the "
-        "trainer is built, with a warning) or 'error' (the trainer refuses to start, naming each one)."
+        "truncate", description="A training prompt over max_prompt_tokens: 'truncate' "
+        "(lose the middle of the question, keep the chat template's head; warned, "
+        "counted in prompts/truncated), 'drop' (removed when the trainer is built, with a warning) "
+        "or 'error' (the trainer refuses to start, naming each one)."
     )
-    max_completion_tokens: int = Field(256, description="Sampling stops here; such completions are 'truncated'.")
+    max_completion_tokens: int = Field(
+        256, description="Sampling stops here; such completions are 'truncated'."
+    )
     max_steps: int = Field(100, description="Optimizer steps to run.")
     max_train_seconds: float | None = Field(
-        None, description="Also stop once this many seconds have been spent in training steps (checked between "
-        "steps; held-out evaluations and checkpoint saves do not count). The trainer's train_seconds is this clock."
+        None, description="Also stop once this many seconds have been spent in training steps "
+        "(checked between steps; held-out evaluations and checkpoint saves do not count). "
+        "The trainer's train_seconds is this clock."
     )
 
     # -- sampling ----------------------------------------------------------------------------
@@ -192,38 +204,46 @@ class GRPOConfig(FrozenModel):
         "(RewardTimeout; null = wait forever)."
     )
     on_reward_error: Literal["raise", "zero"] = Field(
-        "raise", description="A reward that fails or times out: 'raise' stops the run with its error; 'zero' scores "
-        "the failing samples 0 and counts them in reward/<name>/errors."
+        "raise", description="A reward that fails or times out: 'raise' stops the run with its error; "
+        "'zero' scores the failing samples 0 and counts them in reward/<name>/errors."
     )
 
     # -- optimisation ------------------------------------------------------------------------
-    learning_rate: float = Field(1e-5, description="Peak learning rate (LoRA usually wants ~1e-4, full ~1e-6).")
+    learning_rate: float = Field(
+        1e-5, description="Peak learning rate (LoRA usually wants ~1e-4, full ~1e-6)."
+    )
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Decay after warm-up: constant, linear to 0, or cosine to 0 at the end of the "
-        "run: max_steps, or max_train_seconds when that comes first (progress is the larger of the two fractions)."
+        "constant", description="Decay after warm-up: constant, linear to 0, "
+        "or cosine to 0 at the end of the run: max_steps, or max_train_seconds when that comes first "
+        "(progress is the larger of the two fractions)."
     )
     warmup_steps: int = Field(0, description="Linear warm-up steps from 0 to learning_rate.")
     weight_decay: float = Field(0.0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW (beta1, beta2).")
     adam_eps: float = Field(1e-8, description="AdamW epsilon.")
-    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this (null = off).")
+    max_grad_norm: float | None = Field(
+        1.0, description="Clip the global gradient norm to this (null = off)."
+    )
     max_nonfinite_steps: int = Field(
-        3, description="A step whose rewards, advantages, loss or gradient norm is not finite is skipped (weights "
-        "unchanged, counted in skipped_steps); the run stops after this many in a row."
+        3, description="A step whose rewards, advantages, loss or gradient norm is not finite is skipped "
+        "(weights unchanged, counted in skipped_steps); the run stops after this many in a row."
     )
 
     # -- bookkeeping -------------------------------------------------------------------------
     seed: int = Field(0, description="Seeds prompt order, sampling and initialisation.")
     output_dir: str = Field("runs/grpo", description="Metrics, checkpoints and the final model go here.")
     log_every_steps: int = Field(1, description="Write a metrics line every this many steps.")
-    save_every_steps: int | None = Field(None, description="Save a checkpoint every this many steps (null = end only).")
+    save_every_steps: int | None = Field(
+        None, description="Save a checkpoint every this many steps (null = end only)."
+    )
     keep_last_checkpoints: int | None = Field(
-        None, description="Keep only the newest this many checkpoint-N folders (null = keep all; final/ always stays)."
+        None, description="Keep only the newest this many checkpoint-N folders "
+        "(null = keep all; final/ always stays)."
     )
     progress_bar: bool = Field(True, description="Show a console progress bar.")
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
-        default_factory=list, description="Also log every step's metrics to these backends (metrics.jsonl is always "
-        "written); each needs its optional extra, e.g. pip install 'grpo_engine[tensorboard]'."
+        default_factory=list, description="Also log every step's metrics to these backends (metrics.jsonl "
+        "is always written); each needs its optional extra, e.g. pip install 'grpo_engine[tensorboard]'."
     )
     log_token_entropy: bool = Field(
         True, description="Log the exact mean token entropy from the training pass (one extra softmax over "
@@ -242,17 +262,18 @@ GRPOConfig.renamed = {
     "max_completion_length": _TRL.format("max_completion_length", "max_completion_tokens"),
     "max_prompt_length": _TRL.format("max_prompt_length", "max_prompt_tokens"),
     "num_iterations": _TRL.format("num_iterations", "updates_per_batch"),
-    "per_device_train_batch_size": "TRL's per_device_train_batch_size counts completions; here a step samples "
+    "per_device_train_batch_size": "TRL's per_device_train_batch_size counts completions; "
+    "here a step samples prompts_per_step prompts x group_size completions",
+    "generation_batch_size": "TRL's generation_batch_size counts completions; here a step samples "
     "prompts_per_step prompts x group_size completions",
-    "generation_batch_size": "TRL's generation_batch_size counts completions; here a step samples prompts_per_step "
-    "prompts x group_size completions",
     "gradient_accumulation_steps": "here the step's completions are cut into micro-batches of "
     "MemoryPlan.micro_batch_size (memory.micro_batch_size), with the gradient of the whole step",
     "beta": "TRL's beta is the KL coefficient of the loss here: loss=ClippedSurrogate(kl_coef=0.04)",
     "epsilon": "TRL's epsilon is the loss's clip here: loss=ClippedSurrogate(clip_eps_low=0.2)",
-    "epsilon_high": "TRL's epsilon_high is the loss's upper clip here: loss=ClippedSurrogate(clip_eps_high=0.28)",
-    "loss_type": "TRL's loss_type is a choice of components here: see grpo_engine.presets (grpo, dr_grpo, dapo, "
-    "gspo, cispo)",
+    "epsilon_high": "TRL's epsilon_high is the loss's upper clip here: "
+    "loss=ClippedSurrogate(clip_eps_high=0.28)",
+    "loss_type": "TRL's loss_type is a choice of components here: see grpo_engine.presets "
+    "(grpo, dr_grpo, dapo, gspo, cispo)",
     "scale_rewards": "TRL's scale_rewards is the advantage's std_scope here: advantage=GroupNormalized("
     "std_scope='group' | 'batch' | 'none')",
     "mask_truncated_completions": "here truncated completions are masked by a loss term: "
@@ -267,7 +288,8 @@ GRPOConfig.renamed = {
     "adam_epsilon": _TRL.format("adam_epsilon", "adam_eps"),
     "bf16": "mixed precision is MemoryPlan(compute_dtype='bfloat16') here (memory.compute_dtype)",
     "fp16": "mixed precision is MemoryPlan(compute_dtype='float16') here (memory.compute_dtype)",
-    "gradient_checkpointing": "it is MemoryPlan(gradient_checkpointing=True) here (memory.gradient_checkpointing)",
+    "gradient_checkpointing": "it is MemoryPlan(gradient_checkpointing=True) here "
+    "(memory.gradient_checkpointing)",
     "reward_weights": "here each reward carries its weight: MathAccuracy(weight=1.0)",
     "resume_from_checkpoint": "resume with GRPOTrainer(..., resume_from='latest') (CLI: --resume)",
 }
@@ -280,7 +302,8 @@ GRPOConfig.field_rules = {
     },
     "group_size": (lambda v: v >= 2, "makes every advantage 0 (a group needs at least two completions to "
                    "compare)", "use group_size >= 2"),
-    "temperature": (lambda v: v > 0, "must be > 0 (GRPO samples)", "use a temperature in (0, 2], typically 0.7-1.0"),
+    "temperature": (lambda v: v > 0, "must be > 0 (GRPO samples)",
+                    "use a temperature in (0, 2], typically 0.7-1.0"),
     "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]", "use top_p=1.0 to turn it off"),
     "top_k": (lambda v: v >= 0, "must be >= 0", "use top_k=0 to turn it off"),
     "learning_rate": (lambda v: v > 0, "must be > 0", "use e.g. 1e-4 for LoRA or 1e-6 for full fine-tuning"),
@@ -290,9 +313,11 @@ GRPOConfig.field_rules = {
     "adam_eps": (lambda v: v > 0, "must be > 0", "use 1e-8"),
     "max_grad_norm": (lambda v: v is None or v > 0, "must be > 0", "use null to turn clipping off"),
     "max_train_seconds": (lambda v: v is None or v > 0, "must be > 0", "use null for no time limit"),
-    "reward_timeout_s": (lambda v: v is None or v > 0, "must be > 0", "use e.g. 120, or null to wait forever"),
+    "reward_timeout_s": (lambda v: v is None or v > 0, "must be > 0",
+                         "use e.g. 120, or null to wait forever"),
     "save_every_steps": (lambda v: v is None or v >= 1, "must be >= 1", "use null to save only at the end"),
-    "keep_last_checkpoints": (lambda v: v is None or v >= 1, "must be >= 1", "use null to keep every checkpoint"),
+    "keep_last_checkpoints": (lambda v: v is None or v >= 1, "must be >= 1",
+                              "use null to keep every checkpoint"),
 }
 
 

@@ -45,8 +45,10 @@ class DemoSettings:
     lora_r: int = 16
     merge_lora_for_sampling: bool = True  # a MemoryPlan field: sample with the adapters merged (faster)
     micro_batch_size: int = 16
-    advantage_std_scope: str = "none"  # GroupNormalized(std_scope=...): "group" (GRPO), "batch", "none" (Dr. GRPO)
-    loss_aggregation: str = "constant"  # ClippedSurrogate(aggregation=...): "sequence", "token", "constant" (Dr. GRPO)
+    # GroupNormalized(std_scope=...): "group" (GRPO), "batch", "none" (Dr. GRPO)
+    advantage_std_scope: str = "none"
+    # ClippedSurrogate(aggregation=...): "sequence", "token", "constant" (Dr. GRPO)
+    loss_aggregation: str = "constant"
     instruction: str = " Reply with only the final number."
     seed: int = 0
     output_dir: str = "runs/demo"
@@ -69,8 +71,9 @@ def recipe_components(settings: DemoSettings) -> dict[str, Any]:
         return dr_grpo(settings.max_completion_tokens).components()
     constant = settings.loss_aggregation == "constant"  # Dr. GRPO divides by the generation limit
     return {"advantage": GroupNormalized(std_scope=settings.advantage_std_scope),
-            "loss": ClippedSurrogate(aggregation=settings.loss_aggregation,
-                                     max_completion_tokens=settings.max_completion_tokens if constant else None)}
+            "loss": ClippedSurrogate(
+                aggregation=settings.loss_aggregation,
+                max_completion_tokens=settings.max_completion_tokens if constant else None)}
 
 
 def cache_dir() -> Path:
@@ -112,7 +115,8 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
 
     s = settings if settings is not None else DemoSettings()
     wall = time.perf_counter()
-    out = Path(s.output_dir) / time.strftime("%Y%m%d-%H%M%S")  # each run its own folder: nothing is overwritten
+    # each run its own folder: nothing is overwritten
+    out = Path(s.output_dir) / time.strftime("%Y%m%d-%H%M%S")
     torch.manual_seed(s.seed)
     model, tokenizer = load_model(smollm2_folder())
     train, test = arithmetic_task(s.num_train, s.num_test, seed=s.seed)
@@ -127,9 +131,10 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
     before = accuracy(model)
     print(f"[demo] before: {before:.3f}; training for {s.train_seconds:.0f} s", flush=True)
     config = GRPOConfig(
-        prompts_per_step=s.prompts_per_step, group_size=s.group_size, max_completion_tokens=s.max_completion_tokens,
-        max_prompt_tokens=128, max_steps=10_000, max_train_seconds=s.train_seconds, temperature=s.temperature,
-        learning_rate=s.learning_rate, lr_schedule=s.lr_schedule, seed=s.seed, output_dir=str(out),
+        prompts_per_step=s.prompts_per_step, group_size=s.group_size,
+        max_completion_tokens=s.max_completion_tokens, max_prompt_tokens=128, max_steps=10_000,
+        max_train_seconds=s.train_seconds, temperature=s.temperature, learning_rate=s.learning_rate,
+        lr_schedule=s.lr_schedule, seed=s.seed, output_dir=str(out),
     )
     memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size,
                         merge_lora_for_sampling=s.merge_lora_for_sampling)
@@ -155,7 +160,8 @@ def plot_reward_curve(history: list[dict[str, float]], path: Path, *, before: fl
 
     rewards = [h["reward/mean"] for h in history]
     steps = list(range(1, len(rewards) + 1))
-    smooth = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+    smooth = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1])
+              for i in range(len(rewards))]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, rewards, alpha=0.4, label="mean reward per step")
     ax.plot(steps, smooth, label="5-step moving average")

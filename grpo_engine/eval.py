@@ -72,7 +72,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n < 1:
         raise ValueError(f"pass_at_k: n={n} must be >= 1; draw at least one sample per prompt")
     if not 0 <= c <= n:
-        raise ValueError(f"pass_at_k: c={c} must be in [0, n={n}]; c counts the correct ones among the n samples")
+        raise ValueError(f"pass_at_k: c={c} must be in [0, n={n}]; c counts the correct ones "
+                         "among the n samples")
     if not 1 <= k <= n:
         raise ValueError(f"pass_at_k: k={k} must be in [1, n={n}]; the estimator needs at least k samples, "
                          f"so draw n >= {k} samples or lower k")
@@ -146,7 +147,8 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class EvalItem:
-    """What one prompt got; greedy fields are None without greedy decoding, sampled ones empty without sampling.
+    """What one prompt got; greedy fields are None without greedy decoding, sampled ones empty
+    without sampling.
 
     Attributes:
         question, target: the prompt's question text and reference answer.
@@ -274,12 +276,13 @@ def _greedy_completions(model: nn.Module, encoder: HFSampler, prompts: Sequence[
     try:
         if is_decoder_lm(model):
             path = resolve_decoding(encoder.decoding, model, device)
-            kwargs = dict(repeats=1, max_new_tokens=max_new_tokens, eos_ids=encoder.eos_ids, pad_id=encoder.pad_id,
-                          draw=TokenDraw(greedy=True, logprobs=False))
+            kwargs = dict(repeats=1, max_new_tokens=max_new_tokens, eos_ids=encoder.eos_ids,
+                          pad_id=encoder.pad_id, draw=TokenDraw(greedy=True, logprobs=False))
             if path == "dynamic":
                 completion, _ = decode(model, ids, mask, **kwargs)
             else:
-                completion, _ = decode_static(model, ids, mask, mode="eager" if path == "static" else path, **kwargs)
+                completion, _ = decode_static(model, ids, mask, mode="eager" if path == "static" else path,
+                                              **kwargs)
         else:
             out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=False,
                                  max_new_tokens=max_new_tokens, eos_token_id=encoder.eos_ids,
@@ -421,7 +424,8 @@ def evaluate(
             item.update(greedy_completion=greedy_texts[i], greedy_answer=final_answer(greedy_texts[i]),
                         greedy_score=score, greedy_correct=score >= threshold)
         if sample:
-            texts, scores = sampled_texts[i * k:(i + 1) * k], [float(s) for s in sampled_scores[i * k:(i + 1) * k]]
+            texts, scores = (sampled_texts[i * k:(i + 1) * k],
+                             [float(s) for s in sampled_scores[i * k:(i + 1) * k]])
             answers = [final_answer(t) for t in texts]
             correct = [s >= threshold for s in scores]
             winner = _winner(_clusters(answers, answers_equal))

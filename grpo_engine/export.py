@@ -35,8 +35,8 @@ def merged_copy(model: nn.Module) -> nn.Module:
     """
     if is_quantized_4bit(model):
         raise ValueError("the base model is quantized to 4 bits (QLoRA): merging into it would lose the LoRA "
-                         "update; export the saved run instead (grpo-engine export RUN --merge OUT), which loads "
-                         "the base in float")
+                         "update; export the saved run instead (grpo-engine export RUN --merge OUT), "
+                         "which loads the base in float")
     twin = copy.deepcopy(model)
     return twin.merge_and_unload() if is_peft(twin) else twin
 
@@ -48,7 +48,8 @@ def save_merged(model: nn.Module, tokenizer: Any, path: str | Path) -> Path:
     return checkpoint.save_pretrained_atomic(merged, tokenizer, path, {}, {})
 
 
-def export_run(run: str | Path, out: str | Path, *, base: str | Path | None = None, dtype: str = "float32") -> Path:
+def export_run(run: str | Path, out: str | Path, *, base: str | Path | None = None,
+               dtype: str = "float32") -> Path:
     """Merges a saved run's adapter into its base model and writes a plain transformers folder.
 
     Args:
@@ -70,8 +71,8 @@ def export_run(run: str | Path, out: str | Path, *, base: str | Path | None = No
     if folder is None or not (folder / "adapter_config.json").is_file():
         full = folder is not None and any(folder.glob("model*.safetensors"))
         raise FileNotFoundError(f"no LoRA adapter in {run} (no adapter_config.json)"
-                                + ("; it holds full weights: load it with AutoModelForCausalLM as it is" if full
-                                   else "; point at a run folder, final/ or a checkpoint-N/ folder"))
+                                + ("; it holds full weights: load it with AutoModelForCausalLM as it is"
+                                   if full else "; point at a run folder, final/ or a checkpoint-N/ folder"))
     base = base or _base_of(folder)
     model, tokenizer = load_model(base, dtype=dtype)
     with quiet_peft():

@@ -23,7 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_engine.vocab_tiled import tiled_linear_logprobs
 
-__all__ = ["completion_logprobs", "selective_logprobs", "position_ids_from_mask", "can_share_prompt", "kv_cache"]
+__all__ = ["completion_logprobs", "selective_logprobs", "position_ids_from_mask", "can_share_prompt",
+           "kv_cache"]
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -89,7 +90,8 @@ def selective_logprobs(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1; use e.g. 1024")
-    tiled = bool(vocab_tile) and type(lm_head) is nn.Linear and softcap is None and not (with_entropy and entropy_grad)
+    tiled = (bool(vocab_tile) and type(lm_head) is nn.Linear and softcap is None
+             and not (with_entropy and entropy_grad))
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         h = hidden[start:start + chunk_size]
@@ -144,9 +146,11 @@ def completion_logprobs(
         ``(logprobs, entropy)``, both [n, C].
     """
     decoder = model.get_decoder()
-    distinct = _distinct_rows(prompt_ids, prompt_mask) if share_prompt and _keeps_cache(model, prompt_ids) else None
+    distinct = (_distinct_rows(prompt_ids, prompt_mask) if share_prompt and _keeps_cache(model, prompt_ids)
+                else None)
     if distinct is not None and len(distinct[0]) < prompt_ids.shape[0]:
-        predicting = _shared_prompt_hidden(decoder, prompt_ids, prompt_mask, completion_ids, completion_mask, *distinct)
+        predicting = _shared_prompt_hidden(decoder, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                           *distinct)
     else:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
@@ -157,7 +161,8 @@ def completion_logprobs(
             use_cache=False,
         )
         hidden = _last_hidden(out)  # [n, T, H]
-        predicting = hidden[:, prompt_ids.shape[1] - 1:-1]  # [n, C, H]: position t-1 predicts completion token t
+        # position t-1 predicts completion token t
+        predicting = hidden[:, prompt_ids.shape[1] - 1:-1]  # [n, C, H]
     keep = completion_mask.bool()
     selected = selective_logprobs(
         predicting[keep],
@@ -184,7 +189,8 @@ def _distinct_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Ten
     """(first row of each distinct prompt [u], the distinct prompt of each row [n])."""
     keyed = torch.cat([prompt_ids, prompt_mask.long()], dim=1)
     _, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), prompt_ids.shape[0], dtype=torch.long, device=inverse.device)
+    first = torch.full((int(inverse.max()) + 1,), prompt_ids.shape[0], dtype=torch.long,
+                       device=inverse.device)
     first = first.scatter_reduce(0, inverse, torch.arange(len(inverse), device=inverse.device), reduce="amin")
     return first, inverse
 
@@ -208,7 +214,8 @@ def _keeps_cache(model: nn.Module, prompt_ids: Tensor) -> bool:
 def can_share_prompt(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> bool:
     """Whether the prompt-sharing pass applies: rows repeat a prompt, and the decoder keeps its KV
     cache in this mode (transformers drops the cache under gradient checkpointing in training)."""
-    return _keeps_cache(model, prompt_ids) and len(_distinct_rows(prompt_ids, prompt_mask)[0]) < prompt_ids.shape[0]
+    return (_keeps_cache(model, prompt_ids)
+            and len(_distinct_rows(prompt_ids, prompt_mask)[0]) < prompt_ids.shape[0])
 
 
 def _shared_prompt_hidden(decoder: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,

@@ -38,8 +38,9 @@ def load_model(name_or_path: str | Path, *, dtype: str = "float32", plan=None):
                 kwargs = {"quantization_config": bnb_4bit_config(plan), "device_map": device}
         model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=_DTYPES[dtype], **kwargs)
     except OSError as exc:
-        raise OSError(f"could not load model {str(name_or_path)!r}: {exc}. Pass a local folder in "
-                      "transformers layout (config.json + weights + tokenizer), or a hub id while online") from exc
+        raise OSError(f"could not load model {str(name_or_path)!r}: {exc}. "
+                      "Pass a local folder in transformers layout (config.json + weights + tokenizer), "
+                      "or a hub id while online") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -5,7 +5,8 @@ components (``train_prompts``, ``rewards``, ``advantage``, ``loss``, ...) an imp
 
     model: HuggingFaceTB/SmolLM2-135M-Instruct
     train_prompts: {function: grpo_engine.data.load_gsm8k, path: data/gsm8k/train.jsonl}
-    rewards: [{class: grpo_engine.rewards.MathAccuracy}, {class: grpo_engine.rewards.BoxedFormat, weight: 0.1}]
+    rewards: [{class: grpo_engine.rewards.MathAccuracy},
+              {class: grpo_engine.rewards.BoxedFormat, weight: 0.1}]
     loss: {class: grpo_engine.losses.ClippedSurrogate, clip_eps_high: 0.28}
     config: {prompts_per_step: 4, group_size: 8}
     memory: {lora: {r: 16}, micro_batch_size: 8}
@@ -27,7 +28,8 @@ from pydantic import Field, model_serializer, model_validator
 from grpo_engine.config import ConfigError, FrozenModel, GRPOConfig, format_validation_error
 from grpo_engine.memory.plan import MemoryPlan
 
-__all__ = ["BuildError", "ComponentSpec", "ConfigError", "RunSpec", "build", "format_validation_error", "trusted"]
+__all__ = ["BuildError", "ComponentSpec", "ConfigError", "RunSpec", "build", "format_validation_error",
+           "trusted"]
 
 
 class ComponentSpec(FrozenModel):
@@ -37,7 +39,8 @@ class ComponentSpec(FrozenModel):
     model_config = FrozenModel.model_config | {"extra": "allow"}
 
     target: str = Field(description="Import path of the class or function to call.")
-    kind: Literal["call", "reward_function"] = Field("call", description="Call the target, or wrap it as a reward.")
+    kind: Literal["call", "reward_function"] = Field(
+        "call", description="Call the target, or wrap it as a reward.")
 
     @model_validator(mode="before")
     @classmethod
@@ -47,9 +50,9 @@ class ComponentSpec(FrozenModel):
         if isinstance(data, dict):
             keys = [k for k in ("class", "function", "reward_function", "target") if k in data]
             if len(keys) != 1:
-                raise ValueError(f"a component needs exactly one of 'class', 'function' or 'reward_function' (got "
-                                 f"keys {sorted(data)}); write e.g. {{class: grpo_engine.rewards.MathAccuracy, "
-                                 "weight: 1.0}")
+                raise ValueError("a component needs exactly one of 'class', 'function' or 'reward_function' "
+                                 f"(got keys {sorted(data)}); write e.g. "
+                                 "{class: grpo_engine.rewards.MathAccuracy, weight: 1.0}")
             data = dict(data)
             data["target"] = data.pop(keys[0])
             if keys[0] == "reward_function":
@@ -79,22 +82,25 @@ class RunSpec(FrozenModel):
     loss: ComponentSpec | None = Field(None, description="GRPOLoss; default ClippedSurrogate().")
     template: ComponentSpec | None = Field(None, description="Prompt template; default the chat template.")
     sampler: ComponentSpec | None = Field(
-        None, description="Sampler or sampler wrapper (e.g. grpo_engine.sampling.DynamicSampling); default HFSampler.")
-    entropy: ComponentSpec | None = Field(None, description="EntropyEstimator (per-group uncertainty); default none.")
-    callbacks: list[ComponentSpec] = Field(default_factory=list, description="Callbacks (grpo_engine.callbacks).")
+        None, description="Sampler, or a group filter (e.g. grpo_engine.sampling.DynamicSampling); "
+        "default HFSampler.")
+    entropy: ComponentSpec | None = Field(
+        None, description="EntropyEstimator (per-group uncertainty); default none.")
+    callbacks: list[ComponentSpec] = Field(
+        default_factory=list, description="Callbacks (grpo_engine.callbacks).")
     config: GRPOConfig = Field(default_factory=GRPOConfig, description="Numbers and switches (GRPOConfig).")
     memory: MemoryPlan = Field(default_factory=MemoryPlan, description="Memory plan (MemoryPlan).")
     imports: list[str] = Field(
-        default_factory=list, description="Modules outside grpo_engine whose classes and functions this file may "
-        "call, e.g. [my_rewards]; their code runs, so read it before running a shared file.")
+        default_factory=list, description="Modules outside grpo_engine whose classes and functions this file "
+        "may call, e.g. [my_rewards]; their code runs, so read it before running a shared file.")
 
     @model_validator(mode="after")
     def _trusted(self) -> RunSpec:
         outside = [c.target for c in self.components() if not trusted(c.target, self.imports)]
         if outside:
-            raise ValueError(f"{outside} are outside grpo_engine and not under a module listed in 'imports:'; an "
-                             "import path runs that module's code: read it, then add its module to 'imports:' "
-                             f"(e.g. imports: [{outside[0].rpartition('.')[0]}])")
+            raise ValueError(f"{outside} are outside grpo_engine and not under a module listed "
+                             "in 'imports:'; an import path runs that module's code: read it, then add "
+                             f"its module to 'imports:' (e.g. imports: [{outside[0].rpartition('.')[0]}])")
         return self
 
     def components(self) -> list[ComponentSpec]:
@@ -120,12 +126,13 @@ def build(spec: ComponentSpec) -> Any:
     """
     module_name, _, attr = spec.target.rpartition(".")
     if not module_name:
-        raise BuildError(f"{spec.target!r} is not an import path; write e.g. grpo_engine.rewards.MathAccuracy")
+        raise BuildError(f"{spec.target!r} is not an import path; write e.g. "
+                         "grpo_engine.rewards.MathAccuracy")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise BuildError(f"cannot import {spec.target!r}: no module {module_name!r}{_closest_module(module_name)}"
-                         ) from exc
+        raise BuildError(f"cannot import {spec.target!r}: no module {module_name!r}"
+                         f"{_closest_module(module_name)}") from exc
     if not hasattr(module, attr):
         names = [n for n in dir(module) if not n.startswith("_")]
         match = difflib.get_close_matches(attr, names, n=1)

@@ -35,8 +35,8 @@ def group_accuracy(rewards: RewardOutput, name: str | None = None) -> Tensor:
         raise KeyError("the rewards have no breakdown; score them with WeightedSum")
     key = name if name is not None else next(iter(rewards.breakdown))
     if key not in rewards.breakdown:
-        raise KeyError(f"accuracy_reward={key!r} is not one of the rewards {sorted(rewards.breakdown)}; pass one of "
-                       "those names")
+        raise KeyError(f"accuracy_reward={key!r} is not one of the rewards {sorted(rewards.breakdown)}; "
+                       "pass one of those names")
     return rewards.scored(key, f"accuracy_reward={key!r}").float().mean(dim=1)
 
 
@@ -112,15 +112,17 @@ class InformativeCurriculum:
                  target_high: float = 0.9, revisit_fraction: float = 0.5, cooldown_batches: int = 1,
                  accuracy_reward: str | None = None) -> None:
         problems = []
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= len(prompts):
-            problems.append(f"batch_size={batch_size!r} must be an int in [1, len(prompts)={len(prompts)}] (a batch "
-                            "never holds a prompt twice); pass more prompts or a smaller batch")
+        if (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                or not 1 <= batch_size <= len(prompts)):
+            problems.append(f"batch_size={batch_size!r} must be an int in [1, len(prompts)={len(prompts)}] "
+                            "(a batch never holds a prompt twice); pass more prompts or a smaller batch")
         if not 0 <= target_low < target_high <= 1:
             problems.append(f"target_low={target_low!r}, target_high={target_high!r} must satisfy "
                             "0 <= low < high <= 1; e.g. 0.1 and 0.9")
         if not 0 <= revisit_fraction <= 1:
             problems.append(f"revisit_fraction={revisit_fraction!r} must be in [0, 1]; e.g. 0.5")
-        if isinstance(cooldown_batches, bool) or not isinstance(cooldown_batches, int) or cooldown_batches < 0:
+        if (isinstance(cooldown_batches, bool) or not isinstance(cooldown_batches, int)
+                or cooldown_batches < 0):
             problems.append(f"cooldown_batches={cooldown_batches!r} must be an int >= 0; e.g. 1")
         if problems:
             raise ValueError("invalid InformativeCurriculum: " + "; ".join(problems))
@@ -200,7 +202,8 @@ class InformativeCurriculum:
             raise ValueError(f"update: got {len(prompts)} prompts, {len(acc)} accuracies and "
                              f"{'no' if se is None else len(se)} entropies; pass one value per prompt")
         if not all(0 <= a <= 1 for a in acc):
-            raise ValueError(f"update: accuracy {acc} must lie in [0, 1] (the fraction of correct completions)")
+            raise ValueError(f"update: accuracy {acc} must lie in [0, 1] "
+                             "(the fraction of correct completions)")
         for k, prompt in enumerate(prompts):
             i = self._lookup(prompt)
             self._visits[i] += 1
@@ -235,8 +238,9 @@ class InformativeCurriculum:
                 raise ValueError(f"state_dict {key}={state[key]!r} but this InformativeCurriculum has "
                                  f"{key}={mine!r}; build it from the same prompts and seed as the saved run")
         if not 0 <= int(state["position"]) <= n or int(state["epoch"]) < 0:
-            raise ValueError(f"state_dict epoch={state['epoch']}, position={state['position']} is out of range "
-                             f"for {n} prompts; pass a state saved by InformativeCurriculum.state_dict()")
+            raise ValueError(f"state_dict epoch={state['epoch']}, position={state['position']} "
+                             f"is out of range for {n} prompts; "
+                             "pass a state saved by InformativeCurriculum.state_dict()")
         self._pass.seek(int(state["epoch"]), int(state["position"]))
         self._batches = int(state["batches"])
         self._visits = [int(v) for v in state["visits"]]
@@ -252,5 +256,5 @@ class InformativeCurriculum:
         for i, candidate in enumerate(self.prompts):
             if candidate == prompt:
                 return i
-        raise ValueError(f"update: prompt {prompt.question[:60]!r} is not one of this curriculum's prompts; pass "
-                         "the prompts next_batch returned (RolloutBatch.prompts)")
+        raise ValueError(f"update: prompt {prompt.question[:60]!r} is not one of this curriculum's prompts; "
+                         "pass the prompts next_batch returned (RolloutBatch.prompts)")

@@ -193,8 +193,8 @@ def _read_jsonl(path: Path, name: str) -> Iterator[tuple[Any, Location]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                yield _Bad(f"{name}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
-                           "save the file as UTF-8"), where
+                yield _Bad(f"{name}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} "
+                           f"at column {err.start + 1}); save the file as UTF-8"), where
                 continue
             if not line.strip():
                 continue
@@ -212,7 +212,8 @@ def _read_json(path: Path, name: str) -> Iterator[tuple[Any, Location]]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         line = raw[:err.start].count(b"\n") + 1
-        raise DataError(f"{name}:{line}: not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8") from err
+        raise DataError(f"{name}:{line}: not UTF-8 (byte 0x{raw[err.start]:02x}); "
+                        "save the file as UTF-8") from err
     if not text.strip():
         return iter(())
     try:
@@ -282,8 +283,9 @@ def _to_prompt(
     if answer_field is not None:
         value = record[answer_field]
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise DataError(f"{where}: {answer_field!r} must be a string or a number, got {type(value).__name__} "
-                            f"{str(value)[:60]!r}; fix the record or pass answer_field=... to name the answer field")
+            raise DataError(f"{where}: {answer_field!r} must be a string or a number, "
+                            f"got {type(value).__name__} {str(value)[:60]!r}; fix the record or pass "
+                            "answer_field=... to name the answer field")
         answer = str(value)
         if not answer.strip():
             raise DataError(f"{where}: {answer_field!r} is empty; every record needs its reference answer")
@@ -292,7 +294,8 @@ def _to_prompt(
         except DataError as err:
             raise DataError(f"{where}: {err}") from err
         if not str(target).strip():
-            raise DataError(f"{where}: the reference answer is empty after {answer_fn.__name__}; fix the record")
+            raise DataError(f"{where}: the reference answer is empty after {answer_fn.__name__}; "
+                            "fix the record")
     skip = {question_field, answer_field}
     extra = {k: v for k, v in record.items() if k not in skip}
     return Prompt(question, target=target, metadata={**extra, **meta})

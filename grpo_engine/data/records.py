@@ -49,7 +49,8 @@ def to_prompts(data: Iterable[Any], *, question: str | None = None, answer: str 
         ('2+2?', '4', 1, 4)
     """
     if _is_split_dict(data):
-        raise DataError(f"{name} is a dict of splits ({list(data.keys())}); pass one split, e.g. data['train']")
+        raise DataError(f"{name} is a dict of splits ({list(data.keys())}); pass one split, "
+                        "e.g. data['train']")
     if isinstance(data, (str, bytes, Mapping)):
         raise DataError(f"{name} must be rows (a datasets.Dataset, a list of dicts or of Prompt), got "
                         f"{type(data).__name__}")
@@ -61,8 +62,8 @@ def to_prompts(data: Iterable[Any], *, question: str | None = None, answer: str 
     columns = list(rows[0]) if isinstance(rows[0], Mapping) else []
     question = question or next((c for c in QUESTION_COLUMNS if c in columns), None)
     if question is None:
-        raise DataError(f"{name}: no question column among {columns}; pass question='...' naming it (the usual "
-                        f"names are {list(QUESTION_COLUMNS)})")
+        raise DataError(f"{name}: no question column among {columns}; pass question='...' naming it "
+                        f"(the usual names are {list(QUESTION_COLUMNS)})")
     if answer == AUTO:
         answer = next((c for c in ANSWER_COLUMNS if c in columns), None)
     prompts, problems = [], []
@@ -119,5 +120,5 @@ def _content(value: Any, where: str, column: str) -> str | tuple[dict[str, Any],
             isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value):
         return tuple(dict(m) for m in value)
-    raise DataError(f"{where}: {column!r} must be text or a list of chat messages ({{'role': ..., 'content': ...}}), "
-                    f"got {type(value).__name__} {str(value)[:60]!r}")
+    raise DataError(f"{where}: {column!r} must be text or a list of chat messages "
+                    f"({{'role': ..., 'content': ...}}), got {type(value).__name__} {str(value)[:60]!r}")

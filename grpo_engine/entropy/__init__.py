@@ -8,7 +8,12 @@
 """
 
 from grpo_engine.entropy.control import AdaptiveTemperature, collapsed_fraction, collapsed_groups
-from grpo_engine.entropy.semantic import SemanticEntropy, cluster_answers, semantic_entropy, sequence_log_likelihood
+from grpo_engine.entropy.semantic import (
+    SemanticEntropy,
+    cluster_answers,
+    semantic_entropy,
+    sequence_log_likelihood,
+)
 from grpo_engine.entropy.token import group_token_entropy, high_entropy_mask, token_entropy_mean
 
 __all__ = [

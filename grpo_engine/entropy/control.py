@@ -26,8 +26,8 @@ __all__ = ["collapsed_groups", "collapsed_fraction", "AdaptiveTemperature"]
 def _pair(name: str, semantic_entropy: Tensor, accuracy: Tensor) -> tuple[Tensor, Tensor]:
     se, acc = torch.as_tensor(semantic_entropy), torch.as_tensor(accuracy)
     if se.dim() != 1 or se.shape != acc.shape or se.numel() == 0:
-        raise ValueError(f"{name}: semantic_entropy {tuple(se.shape)} and accuracy {tuple(acc.shape)} must both "
-                         "be [B] with B >= 1; pass one value per prompt group")
+        raise ValueError(f"{name}: semantic_entropy {tuple(se.shape)} and accuracy {tuple(acc.shape)} must "
+                         "both be [B] with B >= 1; pass one value per prompt group")
     dtype = torch.promote_types(se.dtype, torch.float32)
     return se.detach().to(dtype), acc.detach().to(device=se.device, dtype=dtype)
 
@@ -62,9 +62,10 @@ def collapsed_fraction(semantic_entropy: Tensor, accuracy: Tensor, threshold: fl
 class AdaptiveTemperature(Callback):
     """Sampling temperature that rises when groups collapse and falls when answers scatter; a callback.
 
-    Pass it as ``GRPOTrainer(..., entropy=SemanticEntropy(normalize=True), callbacks=[AdaptiveTemperature()])``:
-    it hears every group of a step (``on_rollout``: the group's accuracy and normalised SE), then sets
-    the next step's temperature (``on_step_end``, which also logs ``entropy/collapsed_fraction``).
+    Pass it as ``GRPOTrainer(..., entropy=SemanticEntropy(normalize=True),
+    callbacks=[AdaptiveTemperature()])``: it hears every group of a step (``on_rollout``: the group's
+    accuracy and normalised SE), then sets the next step's temperature (``on_step_end``, which also
+    logs ``entropy/collapsed_fraction``).
 
     Args:
         initial: the temperature of the first step, within the bounds.
@@ -91,19 +92,21 @@ class AdaptiveTemperature(Callback):
             problems.append(f"min_temperature={min_temperature!r}, max_temperature={max_temperature!r} must "
                             "satisfy 0 < min <= max; e.g. 0.5 and 1.5")
         elif not min_temperature <= initial <= max_temperature:
-            problems.append(f"initial={initial!r} must be within [{min_temperature}, {max_temperature}]; start "
-                            "from the configured sampling temperature inside the bounds")
+            problems.append(f"initial={initial!r} must be within [{min_temperature}, {max_temperature}]; "
+                            "start from the configured sampling temperature inside the bounds")
         if not step > 0:
             problems.append(f"step={step!r} must be > 0; use e.g. 0.05")
         if not 0 <= collapse_entropy < scatter_entropy:
-            problems.append(f"collapse_entropy={collapse_entropy!r}, scatter_entropy={scatter_entropy!r} must "
-                            "satisfy 0 <= collapse < scatter (normalised SE); e.g. 0.1 and 0.8")
+            problems.append(f"collapse_entropy={collapse_entropy!r}, scatter_entropy={scatter_entropy!r} "
+                            "must satisfy 0 <= collapse < scatter (normalised SE); e.g. 0.1 and 0.8")
         if not 0 <= collapse_fraction < 1:
             problems.append(f"collapse_fraction={collapse_fraction!r} must be in [0, 1); e.g. 0.5")
         if problems:
             raise ValueError("invalid AdaptiveTemperature: " + "; ".join(problems))
         self.min_temperature, self.max_temperature = float(min_temperature), float(max_temperature)
-        self.step, self.collapse_entropy, self.scatter_entropy = float(step), collapse_entropy, scatter_entropy
+        self.step, self.collapse_entropy, self.scatter_entropy = (
+            float(step), collapse_entropy, scatter_entropy
+        )
         self.collapse_fraction, self.accuracy_reward = collapse_fraction, accuracy_reward
         self._temperature = float(initial)
         self._seen: list[tuple[Tensor, Tensor]] = []  # (normalised SE [b], accuracy [b]) of the step's draws
@@ -131,7 +134,8 @@ class AdaptiveTemperature(Callback):
         if trainer.entropy is None:
             raise ValueError("AdaptiveTemperature needs per-group semantic entropy: pass "
                              "entropy=SemanticEntropy(normalize=True) to the trainer as well")
-        if abs(self._temperature - trainer.config.temperature) > 1e-9:  # else its first update steps from another
+        # else its first update would step from another temperature
+        if abs(self._temperature - trainer.config.temperature) > 1e-9:
             raise ValueError(f"AdaptiveTemperature starts at {self._temperature} but config.temperature="
                              f"{trainer.config.temperature}: pass AdaptiveTemperature(initial="
                              f"{trainer.config.temperature}, ...)")
@@ -139,7 +143,8 @@ class AdaptiveTemperature(Callback):
     def on_rollout(self, trainer: Any, state: TrainerState, control: TrainerControl, *, batch: RolloutBatch,
                    rewards: RewardOutput, uncertainty: Tensor | None) -> None:
         if uncertainty is None:
-            raise ValueError("AdaptiveTemperature got no per-group uncertainty; pass entropy=SemanticEntropy(...)")
+            raise ValueError("AdaptiveTemperature got no per-group uncertainty; "
+                             "pass entropy=SemanticEntropy(...)")
         key = self.accuracy_reward or next(iter(rewards.breakdown))
         accuracy = rewards.scored(key, f"AdaptiveTemperature(accuracy_reward={key!r})").float().mean(dim=1)
         self._seen.append((uncertainty, accuracy))

@@ -38,12 +38,14 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
     """
     dtype = _DTYPES[plan.dtype]
     if is_peft(model) and plan.lora is not None:
-        raise ValueError("the model is already a PeftModel (it has LoRA adapters) and the MemoryPlan adds another: "
-                         "pass MemoryPlan(lora=None) to train its adapters as they are, or pass the base model")
+        raise ValueError("the model is already a PeftModel (it has LoRA adapters) and the MemoryPlan "
+                         "adds another: pass MemoryPlan(lora=None) to train its adapters as they are, "
+                         "or pass the base model")
     if is_quantized_4bit(model):
         if plan.quantization is None:
-            raise ValueError("the model is loaded in 4 bits but the MemoryPlan has quantization=None; use "
-                             "MemoryPlan(quantization='nf4', lora=LoRA(...)), or load it without quantization")
+            raise ValueError("the model is loaded in 4 bits but the MemoryPlan has quantization=None; "
+                             "use MemoryPlan(quantization='nf4', lora=LoRA(...)), "
+                             "or load it without quantization")
         for param in model.parameters():  # 4-bit weights stay packed; embeddings and norms take the dtype
             if param.is_floating_point():
                 param.data = param.data.to(dtype)
@@ -85,7 +87,8 @@ def prepare_model(model: nn.Module, plan: MemoryPlan) -> nn.Module:
 
 def is_peft(model: nn.Module) -> bool:
     """Whether ``model`` is a peft ``PeftModel`` (it carries adapters)."""
-    return any(cls.__name__ == "PeftModel" and cls.__module__.startswith("peft") for cls in type(model).__mro__)
+    return any(cls.__name__ == "PeftModel" and cls.__module__.startswith("peft")
+               for cls in type(model).__mro__)
 
 
 def autocast(plan: MemoryPlan, device: torch.device) -> contextlib.AbstractContextManager:
@@ -133,7 +136,8 @@ def quantize_4bit_(model: nn.Module, *, compute_dtype: torch.dtype, quant_type: 
     for name, linear in targets:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                  compute_dtype=compute_dtype, compress_statistics=True, quant_type=quant_type)
+                                  compute_dtype=compute_dtype, compress_statistics=True,
+                                  quant_type=quant_type)
         device = linear.weight.device
         layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=True,
                                          quant_type=quant_type)

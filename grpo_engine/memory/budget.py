@@ -26,11 +26,13 @@ class PlanChoice:
     estimate: MemoryEstimate
     slowdown: float
     reason: str
-    rejected: list[tuple[str, float]] = field(default_factory=list)  # (plan summary, peak GiB) that did not fit
+    # (plan summary, peak GiB) that did not fit
+    rejected: list[tuple[str, float]] = field(default_factory=list)
 
 
 # Relative step time of each memory saving (documented estimates, not measurements; docs/memory.md):
-_SLOWDOWN = {"gradient_checkpointing": 1.25, "adamw8bit": 1.01, "quantization": 1.2, "offload_activations": 1.1}
+_SLOWDOWN = {"gradient_checkpointing": 1.25, "adamw8bit": 1.01, "quantization": 1.2,
+             "offload_activations": 1.1}
 
 
 def _summary(plan: MemoryPlan) -> str:
@@ -89,15 +91,15 @@ def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: 
     for slow, plan in candidates:
         est = estimate_memory(model, plan, workload, ranks=ranks)
         if est.peak_gib <= limit:
-            reason = (f"{_summary(plan)}: predicted peak {est.peak_gib:.2f} GiB ({est.peak_phase}) fits "
-                      f"{budget_gib:g} GiB with a {margin:.0%} margin; estimated step time x{slow:.2f} of the "
-                      f"fastest candidate; {len(rejected)} faster candidates did not fit")
+            reason = (f"{_summary(plan)}: predicted peak {est.peak_gib:.2f} GiB ({est.peak_phase}) "
+                      f"fits {budget_gib:g} GiB with a {margin:.0%} margin; estimated step time x{slow:.2f} "
+                      f"of the fastest candidate; {len(rejected)} faster candidates did not fit")
             return PlanChoice(plan=plan, estimate=est, slowdown=slow, reason=reason, rejected=rejected)
         rejected.append((_summary(plan), est.peak_gib))
     smallest = min(rejected, key=lambda r: r[1])
-    raise ValueError(f"no plan fits {budget_gib:g} GiB (with a {margin:.0%} margin): the smallest predicted peak is "
-                     f"{smallest[1]:.2f} GiB ({smallest[0]}); shorten completion_tokens, lower group_size or "
-                     "prompts_per_step, or use a smaller model")
+    raise ValueError(f"no plan fits {budget_gib:g} GiB (with a {margin:.0%} margin): the smallest "
+                     f"predicted peak is {smallest[1]:.2f} GiB ({smallest[0]}); shorten completion_tokens, "
+                     "lower group_size or prompts_per_step, or use a smaller model")
 
 
 def auto_plan(model: Any, workload: Any, budget_gib: float, *, base: MemoryPlan | None = None,

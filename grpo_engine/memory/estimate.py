@@ -120,18 +120,20 @@ class ModelShape:
             try:
                 config = AutoConfig.from_pretrained(str(config))
             except OSError as exc:
-                raise ValueError(f"no model config at {str(config)!r}: pass a folder with config.json, a hub id "
-                                 f"while online, or one of {sorted(KNOWN_SHAPES)}") from exc
-        get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+                raise ValueError(f"no model config at {str(config)!r}: pass a folder with config.json, "
+                                 f"a hub id while online, or one of {sorted(KNOWN_SHAPES)}") from exc
+        get = (config.get if isinstance(config, dict)
+               else (lambda key, default=None: getattr(config, key, default)))
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                                "vocab_size") if get(k) is None]
         if missing:
-            raise ValueError(f"the model config lacks {missing}; the estimator knows decoder-only Llama / Qwen2 / "
-                             "Mistral-style configs")
+            raise ValueError(f"the model config lacks {missing}; the estimator knows decoder-only "
+                             "Llama / Qwen2 / Mistral-style configs")
         model_type = get("model_type", "")
         return cls(
             hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=get("num_attention_heads"),
-            kv_heads=get("num_key_value_heads") or get("num_attention_heads"), intermediate=get("intermediate_size"),
+            kv_heads=get("num_key_value_heads") or get("num_attention_heads"),
+            intermediate=get("intermediate_size"),
             vocab=get("vocab_size"), tie_embeddings=bool(get("tie_word_embeddings", False)),
             head_dim=get("head_dim"), qkv_bias=bool(get("attention_bias", False)) or model_type == "qwen2",
         )
@@ -159,7 +161,9 @@ class Workload(FrozenModel):
     group_size: int = Field(8, description="G: completions per prompt.")
     prompt_tokens: int = Field(256, description="P: prompt length (the longest in a batch sets the width).")
     completion_tokens: int = Field(1024, description="C: completion length (plan for the maximum).")
-    kl: bool = Field(False, description="A KL term to a reference policy (a frozen copy under full fine-tuning).")
+    kl: bool = Field(
+        False, description="A KL term to a reference policy (a frozen copy under full fine-tuning)."
+    )
 
     @property
     def rows(self) -> int:
@@ -183,8 +187,9 @@ class Workload(FrozenModel):
             16
         """
         if ranks < 1 or self.prompts_per_step % ranks:
-            raise ValueError(f"prompts_per_step={self.prompts_per_step} does not split across ranks={ranks}: each "
-                             "rank samples an equal share of the prompts; use a multiple of the number of ranks")
+            raise ValueError(f"prompts_per_step={self.prompts_per_step} does not split across ranks={ranks}: "
+                             "each rank samples an equal share of the prompts; use a multiple "
+                             "of the number of ranks")
         return self.model_copy(update={"prompts_per_step": self.prompts_per_step // ranks})
 
 
@@ -218,7 +223,8 @@ class MemoryEstimate:
         lines = [f"{'part':<28}{'GiB':>9}"]
         lines += [f"{name:<28}{value / GIB:>9.3f}" for name, value in self.parts.items()]
         lines.append("")
-        lines += [f"{'phase: ' + name:<28}{value / GIB:>9.3f}" + ("  <- peak" if name == self.peak_phase else "")
+        lines += [f"{'phase: ' + name:<28}{value / GIB:>9.3f}"
+                  + ("  <- peak" if name == self.peak_phase else "")
                   for name, value in self.phases.items()]
         return "\n".join(lines)
 
@@ -252,7 +258,8 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
     # resident: weights, adapters, optimizer state (FSDP2: a 1/K share of all but one vocab x hidden matrix)
     k = ranks if plan.sharding == "fsdp" and ranks > 1 else 1
     whole = s.vocab * s.hidden  # replicated under FSDP2: the lm_head, or the embedding tied to it
-    share = lambda n: (n - whole) / k + whole  # noqa: E731  (n counts every parameter: all but the head split)
+    # n counts every parameter; all of them but the head are split
+    share = lambda n: (n - whole) / k + whole  # noqa: E731
     if plan.quantization is not None:
         parts["weights"] = (s.num_params - s.linear_params) * dt + s.linear_params * _NF4_BYTES
     else:
@@ -282,7 +289,8 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
     parts["autocast_weights"] = (s.linear_params + s.vocab * s.hidden) * ct if plan.mixed_precision else 0
     parts["sampling_logits"] = w.rows * s.vocab * 4 * 3
     # merge_lora_for_sampling: a merged copy of every adapted weight while sampling
-    merged = s.layers * sum(i * o for i, o in s.adapted_shapes(plan.lora)) if plan.merge_lora_for_sampling else 0
+    merged = (s.layers * sum(i * o for i, o in s.adapted_shapes(plan.lora))
+              if plan.merge_lora_for_sampling else 0)
     parts["merged_weights"] = merged * dt
     sampling = (resident + parts["kv_cache"] + parts["sampling_logits"] + parts["merged_weights"]
                 + parts["autocast_weights"] + gathered)
@@ -315,4 +323,6 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
     # optimizer step: torch's foreach AdamW makes fp32 temporaries the size of the trainable params
     parts["optimizer_temporaries"] = 0 if eight_bit else trainable * 4
     optimizer = resident + parts["gradients"] + parts["optimizer_temporaries"]
-    return MemoryEstimate(parts=parts, phases={"sampling": sampling, "training": training, "optimizer": optimizer})
+    return MemoryEstimate(
+        parts=parts, phases={"sampling": sampling, "training": training, "optimizer": optimizer}
+    )

@@ -35,10 +35,13 @@ class LoRA(FrozenModel):
     """
 
     r: int = Field(16, description="Adapter rank.")
-    alpha: float = Field(None, description="Scaling numerator: the update is (alpha / r) * B @ A (default 2 * r).")
+    alpha: float = Field(
+        None, description="Scaling numerator: the update is (alpha / r) * B @ A (default 2 * r)."
+    )
     dropout: float = Field(0.0, description="Dropout on the adapter input (0 keeps log-probs exact).")
     target_modules: str | list[str] = Field(
-        "all-linear", description="Module names to adapt, or 'all-linear' (every linear layer but the lm_head)."
+        "all-linear", description="Module names to adapt, or 'all-linear' "
+        "(every linear layer but the lm_head)."
     )
 
 
@@ -56,16 +59,17 @@ class LoRA(FrozenModel):
         from peft import LoraConfig
 
         default = LoraConfig()
-        ours = {"r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "peft_type", "inference_mode",
-                "base_model_name_or_path", "revision", "auto_mapping"}
+        ours = {"r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "peft_type",
+                "inference_mode", "base_model_name_or_path", "revision", "auto_mapping"}
         unsupported = {k: v for k, v in vars(config).items()
                        if k not in ours and not k.startswith("_") and v != getattr(default, k, v)}
         if config.bias not in (None, "none"):
             unsupported["bias"] = config.bias
         if unsupported:
-            raise ValueError(f"LoraConfig settings {unsupported} are not supported by MemoryPlan's LoRA (rank, alpha, "
-                             "dropout, target modules); drop them, or build the PeftModel yourself and pass it as the "
-                             "model with MemoryPlan(lora=None): it is then trained as it is")
+            raise ValueError(f"LoraConfig settings {unsupported} are not supported by MemoryPlan's LoRA "
+                             "(rank, alpha, dropout, target modules); drop them, or build the PeftModel "
+                             "yourself and pass it as the model with MemoryPlan(lora=None): "
+                             "it is then trained as it is")
         if config.target_modules is None:
             raise ValueError("LoraConfig(target_modules=None) leaves the choice to peft; name them, e.g. "
                              "target_modules='all-linear' or ['q_proj', 'v_proj']")
@@ -78,7 +82,8 @@ LoRA.field_rules = {
     "r": (lambda v: v >= 1, "must be >= 1", "use a rank such as 8, 16 or 64"),
     "alpha": (lambda v: v > 0, "must be > 0", "use alpha = 2 * r as a start"),
     "dropout": (lambda v: 0 <= v < 1, "must be in [0, 1)", "use 0.0"),
-    "target_modules": (lambda v: bool(v), "must not be empty", "use 'all-linear' or e.g. ['q_proj', 'v_proj']"),
+    "target_modules": (lambda v: bool(v), "must not be empty",
+                       "use 'all-linear' or e.g. ['q_proj', 'v_proj']"),
 }
 
 
@@ -91,8 +96,8 @@ class MemoryPlan(FrozenModel):
         'adamw'
     """
 
-    lora: LoRA | None = Field(None, description="LoRA adapter settings (a LoRA, or a peft LoraConfig); null trains "
-                              "every weight, or the adapters of a PeftModel passed as the model.")
+    lora: LoRA | None = Field(None, description="LoRA adapter settings (a LoRA, or a peft LoraConfig); "
+                              "null trains every weight, or the adapters of a PeftModel passed as the model.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
     quantization: Literal["nf4"] | None = Field(
         None, description="nf4: 4-bit NF4 frozen base under LoRA (QLoRA; needs lora). null: base in dtype."
@@ -104,28 +109,31 @@ class MemoryPlan(FrozenModel):
         False, description="Keep the activations saved for backward in (pinned) CPU memory."
     )
     share_prompt: bool = Field(
-        True, description="Run each prompt once per group (sampling prefill and training forward), not G times."
+        True, description="Run each prompt once per group (sampling prefill "
+        "and training forward), not G times."
     )
     merge_lora_for_sampling: bool = Field(
-        False, description="Sample with the LoRA deltas merged into a temporary copy of the adapted weights: "
-        "faster decoding for one copy of those weights while sampling (float32 base weights, no quantization)."
+        False, description="Sample with the LoRA deltas merged into a temporary copy "
+        "of the adapted weights: faster decoding for one copy of those weights while sampling "
+        "(float32 base weights, no quantization)."
     )
     decoding: Literal["auto", "dynamic", "static", "compiled", "cuda_graph"] = Field(
-        "auto", description="Sampling's decoding path: auto (a CUDA graph over a static KV cache on a GPU, the "
-        "dynamic loop that drops finished rows on the CPU), dynamic, static, compiled (torch.compile) or cuda_graph."
+        "auto", description="Sampling's decoding path: auto (a CUDA graph over a static KV cache on a GPU, "
+        "the dynamic loop that drops finished rows on the CPU), dynamic, static, "
+        "compiled (torch.compile) or cuda_graph."
     )
     micro_batch_size: int = Field(8, description="Completions per forward/backward (gradient accumulation).")
     sharding: Literal["none", "fsdp"] = Field(
-        "none", description="Under torchrun: none (every rank holds the whole model: data parallel) or fsdp "
-        "(FSDP2: each decoder layer and the embeddings sharded over the ranks, with their gradients and AdamW "
-        "states; the whole model gathered while sampling; the lm_head replicated)."
+        "none", description="Under torchrun: none (every rank holds the whole model: data parallel) "
+        "or fsdp (FSDP2: each decoder layer and the embeddings sharded over the ranks, with their gradients "
+        "and AdamW states; the whole model gathered while sampling; the lm_head replicated)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the (frozen) base weights; adapters stay float32."
     )
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="Mixed precision: the dtype forward passes compute in under torch.autocast, when it "
-        "differs from dtype (e.g. float32 weights, bfloat16 compute). null: compute in dtype."
+        None, description="Mixed precision: the dtype forward passes compute in under torch.autocast, "
+        "when it differs from dtype (e.g. float32 weights, bfloat16 compute). null: compute in dtype."
     )
     logprob_vocab_tile: int | None = Field(
         32768, description="Vocabulary entries per tile of the lm_head pass (plain linear heads); bounds the "
@@ -151,15 +159,16 @@ class MemoryPlan(FrozenModel):
                              "itself; add lora=LoRA(r=16) (QLoRA), or set quantization to null")
         if self.merge_lora_for_sampling and (self.lora is None or self.quantization is not None
                                              or self.dtype != "float32"):
-            raise ValueError(f"merge_lora_for_sampling=True needs lora, dtype='float32' and no quantization "
+            raise ValueError("merge_lora_for_sampling=True needs lora, dtype='float32' and no quantization "
                              f"(got lora={'set' if self.lora else None}, dtype={self.dtype!r}, "
-                             f"quantization={self.quantization!r}): a merged 4-bit or half-precision weight would "
-                             "lose small LoRA updates; set merge_lora_for_sampling=False")
+                             f"quantization={self.quantization!r}): a merged 4-bit or half-precision weight "
+                             "would lose small LoRA updates; set merge_lora_for_sampling=False")
         mixed = self.compute_dtype not in (None, self.dtype)
         if mixed and (self.dtype != "float32" or self.quantization is not None):
-            raise ValueError(f"compute_dtype={self.compute_dtype!r} with dtype={self.dtype!r} and quantization="
-                             f"{self.quantization!r}: mixed precision keeps float32 weights and computes in a "
-                             "half type; use dtype='float32' without quantization, or set compute_dtype to null")
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} with dtype={self.dtype!r} "
+                             f"and quantization={self.quantization!r}: mixed precision keeps float32 "
+                             "weights and computes in a half type; use dtype='float32' without quantization, "
+                             "or set compute_dtype to null")
         return self
 
     @property
@@ -169,7 +178,8 @@ class MemoryPlan(FrozenModel):
 
 
 MemoryPlan.field_rules = {
-    "logprob_vocab_tile": (lambda v: v is None or v >= 1, "must be >= 1", "use e.g. 32768, or null to turn tiling off"),
+    "logprob_vocab_tile": (lambda v: v is None or v >= 1, "must be >= 1",
+                           "use e.g. 32768, or null to turn tiling off"),
     "micro_batch_size": (lambda v: v >= 1, "must be >= 1", "use a positive number of completions, e.g. 8"),
     "logprob_chunk_size": (lambda v: v >= 1, "must be >= 1", "use e.g. 256 tokens"),
 }

@@ -39,8 +39,8 @@ class ShortLogs(logging.Filter):
 
 
 # a logger's filters see only its own records, so every math-verify module's logger gets one
-for _name in ("math_verify", "math_verify.parser", "math_verify.grader", "math_verify.metric", "math_verify.utils",
-              "math_verify.tasks", "latex2sympy2_extended.math_normalization"):
+for _name in ("math_verify", "math_verify.parser", "math_verify.grader", "math_verify.metric",
+              "math_verify.utils", "math_verify.tasks", "latex2sympy2_extended.math_normalization"):
     logging.getLogger(_name).addFilter(ShortLogs())
 _NUMBER = re.compile(
     r"\\d?frac\{-?\d+\}\{-?\d+\}"  # \frac{1}{2}, \dfrac{3}{4}

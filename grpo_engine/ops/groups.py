@@ -21,14 +21,16 @@ def check_eps(eps: float, owner: str) -> None:
 
 
 def centered(rewards: Tensor, owner: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Checks ``rewards`` [B, G] (G >= 2) and returns (float rewards, r - mean_g r, [B, 1] equal-group mask)."""
+    """Checks ``rewards`` [B, G] (G >= 2) and returns (float rewards, r - mean_g r,
+    [B, 1] equal-group mask)."""
     if rewards.dim() != 2:
         raise ValueError(
             f"{owner}: rewards shape {tuple(rewards.shape)} must be 2-D [B, G] (prompts x group); "
             "reshape the flat [N] rewards with rewards.view(-1, group_size)"
         )
     if rewards.shape[1] < 2:
-        raise ValueError(f"{owner}: group_size={rewards.shape[1]} makes every advantage 0; use group_size >= 2")
+        raise ValueError(f"{owner}: group_size={rewards.shape[1]} makes every advantage 0; "
+                         "use group_size >= 2")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     return r, r - r.mean(dim=1, keepdim=True), equal_groups(r)
 

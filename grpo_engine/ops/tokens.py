@@ -129,8 +129,8 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float
     """
     _check_shapes("high_entropy_mask", entropy, mask)
     if not 0.0 <= top_entropy_quantile <= 1.0:
-        raise ValueError(f"high_entropy_mask: top_entropy_quantile={top_entropy_quantile!r} must be in [0, 1] "
-                         "(the fraction of tokens to keep; the paper uses 0.2)")
+        raise ValueError(f"high_entropy_mask: top_entropy_quantile={top_entropy_quantile!r} "
+                         "must be in [0, 1] (the fraction of tokens to keep; the paper uses 0.2)")
     values, mask = _masked(entropy.detach(), mask)
     pool = values[mask] if among is None else among.detach().to(device=values.device, dtype=values.dtype)
     valid = pool.sort().values  # [k]

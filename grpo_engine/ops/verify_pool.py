@@ -54,7 +54,8 @@ class VerifyPool:
                 worker = self._idle.pop() if self._idle else self._start()
                 i = todo.popleft()
                 try:
-                    worker.stdin.write(json.dumps({"id": i, "gold": pairs[i][0], "answer": pairs[i][1]}) + "\n")
+                    worker.stdin.write(json.dumps({"id": i, "gold": pairs[i][0], "answer": pairs[i][1]})
+                                       + "\n")
                     worker.stdin.flush()
                 except OSError:  # it died since its last pair: try again with a new one
                     worker.kill()

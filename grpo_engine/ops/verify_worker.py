@@ -17,7 +17,8 @@ MEMORY_LIMIT = 2 << 30  # bytes of address space: math-verify needs ~0.3 GB; a r
 
 
 def _answers():
-    spec = importlib.util.spec_from_file_location("grpo_engine_answers", Path(__file__).with_name("answers.py"))
+    spec = importlib.util.spec_from_file_location("grpo_engine_answers",
+                                                  Path(__file__).with_name("answers.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -45,7 +46,8 @@ def main() -> None:
                 out["error"] = "gold"  # the reference answer does not parse
             else:
                 out["equal"] = answers.verify_parsed(gold, answers.parse_answer(task["answer"]))
-        except Exception as exc:  # MemoryError included; math-verify's own errors: this answer cannot be verified
+        except Exception as exc:
+            # any error, MemoryError and math-verify's own included: this answer cannot be verified
             out["error"] = f"{type(exc).__name__}: {exc}"[:200]
         sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()

@@ -55,8 +55,8 @@ class KLRewardPenalty:
                   ref_logprobs: Tensor | None) -> RewardOutput:
         """The rewards less each completion's penalty, which the breakdown logs as ``kl_penalty`` [B, G]."""
         if old_logprobs is None or ref_logprobs is None:
-            raise ValueError("KLRewardPenalty needs old_logprobs and ref_logprobs [N, C]; the trainer computes "
-                             "them when the rewards declare it (WeightedSum.requires)")
+            raise ValueError("KLRewardPenalty needs old_logprobs and ref_logprobs [N, C]; "
+                             "the trainer computes them when the rewards declare it (WeightedSum.requires)")
         mask = batch.completion_mask.to(old_logprobs.device)
         penalty = self(old_logprobs, ref_logprobs, mask).reshape(rewards.total.shape)
         return RewardOutput(total=rewards.total - penalty.to(rewards.total.device),

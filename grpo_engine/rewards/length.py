@@ -31,7 +31,8 @@ __all__ = ["OverlongPenalty"]
 
 def _check_tokens(value: object, name: str, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"OverlongPenalty: {name}={value!r} must be a positive integer number of tokens; {fix}")
+        raise ValueError(f"OverlongPenalty: {name}={value!r} "
+                         f"must be a positive integer number of tokens; {fix}")
     return int(value)
 
 
@@ -59,13 +60,14 @@ class OverlongPenalty(Reward):
             max_completion_tokens, "max_completion_tokens", "pass the sampler's limit, e.g. 1024"
         )
         self.cache_tokens = _check_tokens(
-            cache_tokens, "cache_tokens", f"pass 0 < cache_tokens <= max_completion_tokens={self.max_completion_tokens}"
+            cache_tokens, "cache_tokens",
+            f"pass 0 < cache_tokens <= max_completion_tokens={self.max_completion_tokens}"
         )
         if self.cache_tokens > self.max_completion_tokens:
             raise ValueError(
-                f"OverlongPenalty: cache_tokens={cache_tokens!r} must be <= max_completion_tokens="
-                f"{self.max_completion_tokens} (the soft zone lies inside the limit); pass a smaller cache_tokens, "
-                f"e.g. {max(1, self.max_completion_tokens // 4)}"
+                f"OverlongPenalty: cache_tokens={cache_tokens!r} must be <= "
+                f"max_completion_tokens={self.max_completion_tokens} (the soft zone lies inside the limit); "
+                f"pass a smaller cache_tokens, e.g. {max(1, self.max_completion_tokens // 4)}"
             )
 
     def __repr__(self) -> str:

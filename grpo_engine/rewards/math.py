@@ -28,8 +28,8 @@ from grpo_engine.types import Prompt
 
 _PLAIN_NUMBER = re.compile(r"^\s*-?\d[\d,]*(\.\d+)?\s*$")
 _WORDS = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{3,}")  # a word of 3+ letters (prose, when there is no LaTeX)
-_MATH_WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "log", "exp", "sqrt", "sinh", "cosh", "tanh", "arcsin",
-               "arccos", "arctan", "inf", "infty", "max", "min", "mod", "gcd", "lcm", "det"}
+_MATH_WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "log", "exp", "sqrt", "sinh", "cosh", "tanh",
+               "arcsin", "arccos", "arctan", "inf", "infty", "max", "min", "mod", "gcd", "lcm", "det"}
 __all__ = ["MathAccuracy", "answers_equal", "extract_answer", "final_answer", "last_number", "parse_answer"]
 
 
@@ -61,9 +61,11 @@ class MathAccuracy(Reward):
             return None
         prose = [w for w in _WORDS.findall(target) if w.lower() not in _MATH_WORDS]
         if prose and "\\" not in target and not any(ch.isdigit() for ch in target):
-            return f"target {excerpt(target)} is words, not a math answer; write the answer as a number or LaTeX"
+            return (f"target {excerpt(target)} is words, not a math answer; "
+                    "write the answer as a number or LaTeX")
         if not parse_answer(target):
-            return f"math-verify cannot parse target {excerpt(target)}; write it as LaTeX math, e.g. '\\frac{{1}}{{2}}'"
+            return (f"math-verify cannot parse target {excerpt(target)}; "
+                    f"write it as LaTeX math, e.g. '\\frac{{1}}{{2}}'")
         return None
 
     def score(self, prompt: Prompt, completion: str) -> float:

@@ -26,13 +26,13 @@ from torch import Tensor, nn
 
 from grpo_engine.logprobs import kv_cache, position_ids_from_mask
 
-__all__ = ["TokenDraw", "PhaseClock", "categorical", "sample_categorical", "inverse_cdf", "decode", "is_decoder_lm",
-           "completion_mask_from_ids", "draw_uniforms", "seeded_rng", "BAD_DISTRIBUTION"]
+__all__ = ["TokenDraw", "PhaseClock", "categorical", "sample_categorical", "inverse_cdf", "decode",
+           "is_decoder_lm", "completion_mask_from_ids", "draw_uniforms", "seeded_rng", "BAD_DISTRIBUTION"]
 
 BLOCK = 256  # token ids per block of the two-level draw
-BAD_DISTRIBUTION = ("sampling got a row of probabilities that sums to zero or holds NaN/inf: the model's logits hold "
-                    "NaN or inf, or top-k / top-p removed every token; check the model's outputs (e.g. an fp16 "
-                    "overflow) and the sampling settings")
+BAD_DISTRIBUTION = ("sampling got a row of probabilities that sums to zero or holds NaN/inf: "
+                    "the model's logits hold NaN or inf, or top-k / top-p removed every token; "
+                    "check the model's outputs (e.g. an fp16 overflow) and the sampling settings")
 
 
 def inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
@@ -57,7 +57,8 @@ def draw_uniforms(rows: int, device: torch.device | str, *, row_offset: int = 0,
 
     Example:
         >>> _ = torch.manual_seed(0); whole = draw_uniforms(4, "cpu")
-        >>> _ = torch.manual_seed(0); torch.equal(draw_uniforms(2, "cpu", row_offset=2, total_rows=4), whole[2:])
+        >>> _ = torch.manual_seed(0)
+        >>> torch.equal(draw_uniforms(2, "cpu", row_offset=2, total_rows=4), whole[2:])
         True
     """
     total = rows if total_rows is None else total_rows
@@ -103,7 +104,8 @@ def categorical(probs: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     mass = blocks.sum(-1)  # [n, V / BLOCK]
     total = mass.sum(-1)
     ok = torch.isfinite(total) & (total > 0)
-    block = inverse_cdf(mass, u[:, 0]).clamp(max=mass.shape[1] - 1)  # clamped: a bad row must not index outside
+    # clamped: a bad row must not index outside
+    block = inverse_cdf(mass, u[:, 0]).clamp(max=mass.shape[1] - 1)
     inner = blocks[torch.arange(n, device=probs.device), block]  # [n, BLOCK]
     return (block * BLOCK + inverse_cdf(inner, u[:, 1])).clamp(max=vocab - 1), ok
 
@@ -196,7 +198,8 @@ class TokenDraw:
         else:
             for warper in self.warpers:  # the warpers read only the scores
                 scores = warper(None, scores)
-            probs = logprobs.exp() if logprobs is not None and not self.warpers else torch.softmax(scores, dim=-1)
+            probs = (logprobs.exp() if logprobs is not None and not self.warpers
+                     else torch.softmax(scores, dim=-1))
             token, ok = categorical(probs, u)
         if logprobs is None:
             return token, None, ok
@@ -221,13 +224,15 @@ def _prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int) -> dict:
     if ids.shape[1] < 2:
         return {}
     head_ids, head = ids[:, :-1], mask[:, :-1].long()
-    out = model(input_ids=head_ids, attention_mask=head, position_ids=position_ids_from_mask(head), use_cache=True,
-                logits_to_keep=1)
+    out = model(input_ids=head_ids, attention_mask=head, position_ids=position_ids_from_mask(head),
+                use_cache=True, logits_to_keep=1)
     name, cache = kv_cache(out)
     if cache is None:
-        raise ValueError(f"{type(model).__name__} returned no KV cache with use_cache=True; the sampler needs one")
+        raise ValueError(f"{type(model).__name__} returned no KV cache with use_cache=True; "
+                         "the sampler needs one")
     if repeats > 1:
-        if not _supports(cache, "batch_repeat_interleave"):  # a cache that cannot repeat rows: one prefill per row
+        # a cache that cannot repeat rows: one prefill per row
+        if not _supports(cache, "batch_repeat_interleave"):
             return _prefill(model, ids.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0), 1)
         cache.batch_repeat_interleave(repeats)
     return {name: cache}
@@ -265,9 +270,10 @@ def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new
     done = torch.zeros(n, dtype=torch.bool, device=device)  # each running row: has it emitted an EOS?
     prune = True
     for t in range(max_new_tokens):
-        out = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None], use_cache=True,
-                    logits_to_keep=1, **cache)
-        u = (draw_uniforms(n, device, row_offset=row_offset, total_rows=total_rows)[rows]  # every row's, as static
+        out = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None],
+                    use_cache=True, logits_to_keep=1, **cache)
+        # draw the uniforms of every row, as static decoding does, then keep the running rows'
+        u = (draw_uniforms(n, device, row_offset=row_offset, total_rows=total_rows)[rows]
              if draw.needs_uniforms else None)
         token, logprobs, ok = draw(out.logits[:, -1], u)
         if not ok.all():

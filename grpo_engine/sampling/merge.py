@@ -46,8 +46,8 @@ def check_mergeable(model: nn.Module) -> None:
         if type(base) is not nn.Linear:
             problem = f"its base layer is a {type(base).__name__} (4-bit or not a plain Linear)"
         elif base.weight.dtype != torch.float32:
-            problem = (f"its base weight is {base.weight.dtype}: a LoRA delta below half a rounding step would "
-                       "vanish from the merged weight")
+            problem = (f"its base weight is {base.weight.dtype}: a LoRA delta below half a rounding step "
+                       "would vanish from the merged weight")
         elif layer.merged:
             problem = "its adapter is already merged"
         elif any(layer.use_dora.get(a, False) or getattr(layer, "lora_bias", {}).get(a, False)

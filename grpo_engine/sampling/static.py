@@ -77,7 +77,8 @@ def supports_static(model: nn.Module) -> str | None:
         return "not a transformers causal LM"
     config = model.config
     if getattr(config, "model_type", None) not in FAMILIES:
-        return f"model type {getattr(config, 'model_type', None)!r} (the static path knows {', '.join(FAMILIES)})"
+        return (f"model type {getattr(config, 'model_type', None)!r} "
+                f"(the static path knows {', '.join(FAMILIES)})")
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} (needs 'sdpa' or 'eager': a 4D mask)"
@@ -123,7 +124,8 @@ class StaticKVCache:
         self.values[layer_idx][:, :, positions] = value_states
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:  # older transformers ask; positions are always passed
+    # older transformers ask; positions are always passed
+    def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
     def allocate(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
@@ -176,8 +178,8 @@ class StaticDecoder:
                  total_rows: int | None = None) -> None:
         self.model, self.draw, self.pad_id = model, draw, pad_id
         self.inputs = (ids, mask)
-        self.options = dict(repeats=repeats, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, draw=draw,
-                            row_offset=row_offset, total_rows=total_rows)
+        self.options = dict(repeats=repeats, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                            draw=draw, row_offset=row_offset, total_rows=total_rows)
         self.row_offset, self.total_rows = row_offset, total_rows
         device = ids.device
         b, p = ids.shape
@@ -193,18 +195,21 @@ class StaticDecoder:
             head_mask = mask[:, :-1]
             causal = torch.ones(p - 1, p - 1, dtype=torch.bool, device=device).tril()
             # a query attends to earlier real tokens, and to itself (a padding query then stays finite)
-            allowed = (causal & head_mask[:, None, None, :]) | torch.eye(p - 1, dtype=torch.bool, device=device)
+            allowed = ((causal & head_mask[:, None, None, :])
+                       | torch.eye(p - 1, dtype=torch.bool, device=device))
             self._forward(ids[:, :-1], self._mask(allowed), position_ids_from_mask(head_mask), head,
                           logits_to_keep=1)
         self.cache = head.repeated(repeats, self.width)
         if not self.cache.keys:  # one-token prompts: nothing prefilled; allocate before any step is traced
             config = model.config
             heads = config.num_attention_heads
-            self.cache.allocate(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
+            self.cache.allocate(config.num_hidden_layers,
+                                getattr(config, "num_key_value_heads", None) or heads,
                                 getattr(config, "head_dim", None) or config.hidden_size // heads,
                                 model.get_input_embeddings().weight.dtype)
         # the step's buffers
-        self.attention = torch.zeros(n, 1, 1, self.width, dtype=torch.bool, device=device)  # grouped_attention's
+        # the mask, in the form grouped_attention takes
+        self.attention = torch.zeros(n, 1, 1, self.width, dtype=torch.bool, device=device)
         self.attention[:, 0, 0, :p - 1] = mask[:, :-1].repeat_interleave(repeats, 0)
         self.token = ids[:, -1].repeat_interleave(repeats, 0).clone()  # [n]: fed at the next step
         self.position = position_ids_from_mask(mask)[:, -1].repeat_interleave(repeats, 0).clone()  # [n]
@@ -212,9 +217,11 @@ class StaticDecoder:
         self.u = torch.ones(n, 2, dtype=torch.float64, device=device)
         self.eos = torch.tensor(list(eos_ids), device=device)
         self.done = torch.zeros(n, dtype=torch.bool, device=device)
-        self.bad = torch.zeros(n, dtype=torch.bool, device=device)  # a live row whose step was no distribution
+        # a live row whose step was no distribution
+        self.bad = torch.zeros(n, dtype=torch.bool, device=device)
         self.ids = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device) if draw.logprobs else None
+        self.logprobs = (torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+                         if draw.logprobs else None)
 
     def _mask(self, allowed: Tensor) -> Tensor:
         """The 4D mask the model's own attention takes: boolean for sdpa, additive (0 / min) for eager."""
@@ -325,8 +332,8 @@ def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, 
         ValueError: a step's logits were not a distribution (checked at the host checks).
     """
     if mode == "cuda_graph" and ids.device.type != "cuda":
-        raise ValueError(f"mode='cuda_graph' needs the model on a CUDA device, not {ids.device}; use 'eager' or "
-                         "'compiled' on the CPU")
+        raise ValueError(f"mode='cuda_graph' needs the model on a CUDA device, not {ids.device}; "
+                         "use 'eager' or 'compiled' on the CPU")
     check_every = check_every or (16 if ids.device.type == "cuda" else 1)
     decoder = StaticDecoder(model, ids, mask, repeats=repeats, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                             pad_id=pad_id, draw=draw, row_offset=row_offset, total_rows=total_rows)
@@ -340,7 +347,8 @@ def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, 
             warnings.warn(f"could not capture the decoding step as a CUDA graph ({capture_error}); decoding "
                           "without it", stacklevel=2)
             torch.cuda.synchronize()
-            decoder, ran = decoder.restarted(), "static"  # the prefill runs again, outside the grouped attention
+            # the prefill runs again, outside the grouped attention
+            decoder, ran = decoder.restarted(), "static"
     if info is not None:
         info.update(path=ran if ran != "eager" else "static", capture_error=capture_error)
     step = _compiled_step() if mode == "compiled" else StaticDecoder.step
