@@ -153,8 +153,8 @@ class ObservedEntropy:
         self.last: tuple[Any, Any] | None = None  # (SE [B], accuracy [B]) of the last call
 
     @property
-    def requires_sampler_logprobs(self) -> bool:
-        return self.estimator.requires_sampler_logprobs
+    def requires(self) -> Any:
+        return self.estimator.requires
 
     def __call__(self, batch, rewards):
         start = time.perf_counter()

@@ -17,11 +17,13 @@ from grpo_engine.protocols import (
     AdvantageFn,
     EntropyEstimator,
     GRPOLoss,
+    GroupFilter,
+    LossTerm,
     PromptSource,
     RewardFn,
     RewardTransform,
+    RowFilter,
     Sampler,
-    SamplerWrapper,
 )
 from grpo_engine.report import TensorBoardLogger, TrackioLogger, WandbLogger
 from grpo_engine.rewards import FunctionReward, Reward, WeightedSum
@@ -48,7 +50,9 @@ __all__ = [
     "TrainerState",
     "TrainerControl",
     "Sampler",
-    "SamplerWrapper",
+    "GroupFilter",
+    "LossTerm",
+    "RowFilter",
     "PromptSource",
     "RewardTransform",
     "RewardFn",

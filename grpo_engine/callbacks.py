@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import Tensor
@@ -28,26 +28,31 @@ __all__ = ["Callback", "TrainerState", "TrainerControl", "HeldOutEval"]
 
 @dataclass
 class TrainerState:
-    """Where training stands (read it; the trainer writes it).
+    """Where training stands: every counter of a run (read it; the trainer writes it).
 
     Attributes:
         step: optimizer steps done (the step just finished, in ``on_step_end``).
-        max_steps: the config's ``max_steps``.
         train_seconds: seconds spent in steps so far (the clock of ``max_train_seconds``).
-        temperature: the sampling temperature in force.
-        output_dir: the run folder.
+        temperature: the sampling temperature in force (``trainer.set_temperature`` changes it).
         skipped_steps: steps skipped for non-finite rewards, advantages, loss or gradients.
-        process_index, num_processes: this process's rank and the number of ranks (data parallel
-            under ``torchrun``; 0 and 1 otherwise). Callbacks run on every rank and see the whole
-            step's batch and metrics; one that writes or evaluates checks ``is_world_process_zero``.
+        skipped_in_a_row: of those, how many in a row up to now (the run stops at
+            ``max_nonfinite_steps``).
+        zero_std_warned: the warning that every group tied (no step changes the policy) was given.
+        loss_metric_keys: the names of the loss's metrics seen so far (a step that trains no row logs
+            them as 0).
+        process_index, num_processes: this process's rank and the number of ranks (under
+            ``torchrun``; 0 and 1 otherwise). Not saved: they describe the launch. Callbacks run on
+            every rank and see the whole step's batch and metrics; one that writes or evaluates
+            checks ``is_world_process_zero``.
     """
 
     step: int = 0
-    max_steps: int = 0
     train_seconds: float = 0.0
     temperature: float = 1.0
-    output_dir: str = ""
     skipped_steps: int = 0
+    skipped_in_a_row: int = 0
+    zero_std_warned: bool = False
+    loss_metric_keys: tuple[str, ...] = ("loss",)
     process_index: int = 0
     num_processes: int = 1
 
@@ -55,6 +60,17 @@ class TrainerState:
     def is_world_process_zero(self) -> bool:
         """Whether this is rank 0, the process that logs, evaluates and writes."""
         return self.process_index == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters a checkpoint keeps (not the launch's ``process_index`` / ``num_processes``)."""
+        saved = asdict(self)
+        del saved["process_index"], saved["num_processes"]
+        return saved
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from :meth:`state_dict`'s output."""
+        for name, value in state.items():
+            setattr(self, name, tuple(value) if name == "loss_metric_keys" else value)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Checkpoints: durable saves and exact resume.
+"""Checkpoints: durable saves and the checkpoint format for exact resume.
 
 - A save writes everything to a hidden temporary sibling folder, fsyncs every file and the folder,
   then swaps it with the target in one atomic exchange (``renameat2(RENAME_EXCHANGE)`` on Linux; where
@@ -6,13 +6,15 @@
   never arrived) and fsyncs the parent: a complete latest checkpoint exists at every moment.
 - :func:`clean_leftovers` (run before training starts) removes temporary folders and restores a
   set-aside one whose replacement is missing.
-- A trainer checkpoint adds ``trainer_state.pt`` (optimizer, scheduler, RNG states of python, numpy,
-  torch CPU and CUDA, the prompt source's and every callback's state, step, clock, temperature,
-  skipped steps) and ``trainer_state.json`` (what the run is made of, for the resume check); under
-  FSDP2 the optimizer state is an ``optimizer/`` folder of ``torch.distributed.checkpoint`` shards
-  (one file per rank), resharded on load for any number of ranks.
-- :func:`restore` loads all of it into a freshly built trainer; a changed setting is refused naming
-  each field (the safe ones may change when named in ``Resume.allow_changes``).
+- A trainer checkpoint is a model folder (the adapter, or every weight) with ``trainer_state.pt`` (the
+  trainer's ``state_dict()``: counters, scheduler, RNG states of python, numpy, torch CPU and CUDA,
+  the prompt source's and every callback's state; and the optimizer's) and ``trainer_state.json``
+  (the step and what the run is made of, for the resume check); under FSDP2 the optimizer state is
+  an ``optimizer/`` folder of ``torch.distributed.checkpoint`` shards (one file per rank), resharded
+  on load for any number of ranks.
+- :func:`read_checkpoint` refuses a run that changed a setting or component, naming each field (the
+  safe ones may change when named in ``Resume.allow_changes``). It reads nothing of the trainer: the
+  trainer hands in its description and loads the state itself.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,9 @@ import torch
 from torch import nn
 
 __all__ = ["save_pretrained_atomic", "write_text_atomic", "clean_leftovers", "latest_checkpoint", "prune_checkpoints",
-           "Resume", "trainer_state", "restore", "resolve", "load_weights", "gather_weights", "staging_folder",
-           "save_sharded_optimizer", "load_sharded_optimizer", "ResumeError", "SAFE_CHANGES"]
+           "Resume", "ResumeError", "SAFE_CHANGES", "resolve", "read_checkpoint", "summary", "run_description",
+           "load_weights", "gather_weights", "staging_folder", "save_sharded_optimizer", "load_sharded_optimizer",
+           "load_whole_optimizer_sharded", "rng_states", "set_rng_states", "truncate_metrics", "used_output_dir"]
 
 STATE_FILE, SUMMARY_FILE, OPTIMIZER_DIR = "trainer_state.pt", "trainer_state.json", "optimizer"
 # settings that may change on resume (when named): limits, bookkeeping, and what changes only speed or summation order
@@ -229,10 +232,33 @@ def prune_checkpoints(output_dir: str | Path, keep_last: int | None) -> list[Pat
     return olds
 
 
-# -- the trainer's state ------------------------------------------------------------------------------
+def used_output_dir(output_dir: str | Path) -> str | None:
+    """Why a new run cannot start in ``output_dir`` (it already holds a run's ``metrics.jsonl``), or None."""
+    metrics = Path(output_dir) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        return (f"output_dir={str(output_dir)!r} already holds a run (metrics.jsonl); continue it with --resume, "
+                "that is GRPOTrainer(..., resume_from='latest') (CLI: --resume), or choose another "
+                "config.output_dir, or move the old run away first: a new run would mix its metrics with it and "
+                "replace its saved model")
+    return None
 
 
-def _rng_states() -> dict[str, Any]:
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drops the lines of ``metrics.jsonl`` after ``step`` (logged after the checkpoint by an interrupted run)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return
+    write_text_atomic(path, "".join(kept))
+
+
+# -- the run's state ----------------------------------------------------------------------------------
+
+
+def rng_states() -> dict[str, Any]:
+    """The states of python's, numpy's and torch's (CPU, CUDA) global random generators."""
     states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     states["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     with contextlib.suppress(ImportError):
@@ -242,7 +268,8 @@ def _rng_states() -> dict[str, Any]:
     return states
 
 
-def _set_rng_states(states: dict[str, Any]) -> None:
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restores :func:`rng_states`'s output."""
     random.setstate(states["python"])
     torch.set_rng_state(states["torch"])
     if states.get("cuda") is not None and torch.cuda.is_available():
@@ -259,14 +286,110 @@ def _describe(component: Any) -> str:
     return type(component).__qualname__ if " at 0x" in text else text
 
 
-def run_description(trainer: Any) -> dict[str, Any]:
-    """What the run is made of (settings and components), compared on resume."""
-    settings = {f"config.{k}": v for k, v in trainer.config.model_dump(mode="json").items()}
-    settings.update({f"memory.{k}": v for k, v in trainer.memory.model_dump(mode="json").items()})
-    components = {name: _describe(getattr(trainer, name)) for name in ("loss", "advantage", "rewards", "entropy")}
-    components["sampler"] = type(trainer.sampler).__qualname__
-    components["callbacks"] = [type(c).__qualname__ for c in trainer.callbacks]
-    return {"settings": settings, "components": components}
+def run_description(config: Any, memory: Any, components: dict[str, Any], sampler: Any,
+                    callbacks: Sequence[Any]) -> dict[str, Any]:
+    """What a run is made of, compared on resume: every setting of ``config`` and ``memory`` (pydantic
+    models), each of ``components`` (name -> object), the sampler's type and the callbacks' types."""
+    settings = {f"config.{k}": v for k, v in config.model_dump(mode="json").items()}
+    settings.update({f"memory.{k}": v for k, v in memory.model_dump(mode="json").items()})
+    described = {name: _describe(component) for name, component in components.items()}
+    described["sampler"] = type(sampler).__qualname__
+    described["callbacks"] = [type(c).__qualname__ for c in callbacks]
+    return {"settings": settings, "components": described}
+
+
+def summary(counters: dict[str, Any], description: dict[str, Any]) -> dict[str, Any]:
+    """The ``trainer_state.json`` of a checkpoint: where the run stands and what it is made of."""
+    where = {key: counters[key] for key in ("step", "train_seconds", "temperature", "skipped_steps")}
+    return {"format": 2, **where, **description}
+
+
+def _differences(saved: dict[str, Any], now: dict[str, Any], allowed: Iterable[str]) -> list[str]:
+    problems, allowed = [], set(allowed)
+    for key in sorted(set(saved["settings"]) | set(now["settings"])):
+        old, new = saved["settings"].get(key), now["settings"].get(key)
+        if old == new or key in allowed:
+            continue
+        if key in SAFE_CHANGES:
+            problems.append(f"{key} was {old!r}, now {new!r}: allow it with Resume(path, allow_changes="
+                            f"{{'{key}'}}) (CLI: --allow-change {key})")
+        else:
+            problems.append(f"{key} was {old!r}, now {new!r}: it changes the run's math; resume with the saved "
+                            "value, or start a new run in another output_dir")
+    for key in sorted(set(saved["components"]) | set(now["components"])):
+        old, new = saved["components"].get(key), now["components"].get(key)
+        if old != new:
+            problems.append(f"{key} was {old}, now {new}: build the trainer with the saved run's {key}")
+    return problems
+
+
+def resolve(output_dir: str | Path, resume: Resume, world: Any) -> Path:
+    """The checkpoint folder ``resume`` names, picked by rank 0 of ``world`` (after tidying
+    ``output_dir``) for every rank.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+    """
+    output_dir, folder = Path(output_dir), None
+    if world.is_main:
+        clean_leftovers(output_dir)
+        folder = latest_checkpoint(output_dir) if str(resume.path) == "latest" else Path(resume.path)
+    folder = world.broadcast(folder)
+    if folder is None or not (folder / STATE_FILE).is_file():
+        where = f"in {output_dir}" if folder is None else f"at {folder}"
+        raise FileNotFoundError(f"no trainer checkpoint {where} to resume from (a checkpoint folder holds "
+                                f"{STATE_FILE}); start without resume_from, or point it at a checkpoint-N folder")
+    return folder
+
+
+def read_checkpoint(folder: Path, description: dict[str, Any], allowed: Iterable[str]) -> dict[str, Any]:
+    """The saved state of a checkpoint (``trainer_state.pt``, with the trainer's counters under
+    ``"trainer"``), once its run description matches ``description``.
+
+    Raises:
+        ResumeError: a setting or component differs from the saved run's (each one named).
+    """
+    saved = json.loads((folder / SUMMARY_FILE).read_text())
+    problems = _differences(saved, description, allowed)
+    if problems:
+        raise ResumeError(f"cannot resume from {folder}: " + "; ".join(problems))
+    state = torch.load(folder / STATE_FILE, weights_only=False)  # our own file, written by a trainer's save
+    if "trainer" not in state:  # format 1: the counters were in the summary and beside the state
+        state["trainer"] = {"step": saved["step"], "train_seconds": saved["train_seconds"],
+                            "temperature": saved["temperature"], "skipped_steps": saved["skipped_steps"],
+                            "skipped_in_a_row": state.pop("skipped_in_a_row"),
+                            "zero_std_warned": state.pop("warned_zero_std")}
+    return state
+
+
+def load_weights(model: nn.Module, folder: Path) -> None:
+    """Loads the trained weights of a checkpoint: the adapter under peft, else every weight."""
+    from safetensors.torch import load_file
+
+    if (folder / "adapter_model.safetensors").is_file():
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        if getattr(result, "unexpected_keys", None):
+            raise ResumeError(f"{folder}: adapter tensors {result.unexpected_keys[:4]} match no layer of this model")
+        return
+    shards = sorted(folder.glob("model*.safetensors"))
+    if not shards:
+        raise ResumeError(f"{folder} holds no adapter_model.safetensors nor model*.safetensors; it is not a checkpoint "
+                         "of this trainer")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    loaded = {p.data_ptr() for name, p in model.named_parameters() if name in weights}
+    untied = [k for k in missing if dict(model.named_parameters()).get(k) is None
+              or dict(model.named_parameters())[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ResumeError(f"{folder}: the weights do not fit this model (missing {untied[:4]}, unexpected "
+                         f"{unexpected[:4]}); resume with the model the run was started from")
+
+
+# -- FSDP2: the whole weights and the optimizer's shards ----------------------------------------------------
 
 
 def gather_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -300,152 +423,17 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, f
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-def _by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` of the whole model (keyed by position) keyed by parameter name, for a
-    model sharded since: the positions follow the parameter order, which sharding keeps."""
+def load_whole_optimizer_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Loads the ``optimizer.state_dict()`` of a whole model (one process, data parallel; keyed by
+    position) into the optimizer of the same model sharded since: the positions follow the parameter
+    order, which sharding keeps, so each becomes its parameter's name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     names = {id(p): name for name, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     if len(order) != sum(len(g["params"]) for g in saved["param_groups"]):
         raise ResumeError(f"the saved optimizer holds {sum(len(g['params']) for g in saved['param_groups'])} "
                           f"parameters, this trainer {len(order)}; resume with the model and LoRA plan of the run")
-    return {"state": {order[i]: value for i, value in saved["state"].items()},
-            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
-
-
-def trainer_state(trainer: Any, sharded_optimizer: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the state to ``torch.save``, the JSON summary) of a trainer between steps; ``sharded_optimizer``:
-    the optimizer state is written beside it by :func:`save_sharded_optimizer`, not in it."""
-    state = {
-        "optimizer": None if sharded_optimizer else trainer.optimizer.state_dict(),
-        "optimizer_format": "dcp" if sharded_optimizer else "state_dict", "scheduler": trainer.scheduler.state_dict(),
-        "rng": _rng_states(), "prompts": trainer.prompts.state_dict(),
-        "callbacks": [c.state_dict() for c in trainer.callbacks], "skipped_in_a_row": trainer._skipped_in_a_row,
-        "warned_zero_std": trainer._warned_zero_std,
-    }
-    s = trainer.state
-    summary = {"format": 1, "step": s.step, "train_seconds": s.train_seconds, "temperature": s.temperature,
-               "skipped_steps": s.skipped_steps, **run_description(trainer)}
-    return state, summary
-
-
-def _differences(saved: dict[str, Any], now: dict[str, Any], allowed: Iterable[str]) -> list[str]:
-    problems, allowed = [], set(allowed)
-    for key in sorted(set(saved["settings"]) | set(now["settings"])):
-        old, new = saved["settings"].get(key), now["settings"].get(key)
-        if old == new or key in allowed:
-            continue
-        if key in SAFE_CHANGES:
-            problems.append(f"{key} was {old!r}, now {new!r}: allow it with Resume(path, allow_changes="
-                            f"{{'{key}'}}) (CLI: --allow-change {key})")
-        else:
-            problems.append(f"{key} was {old!r}, now {new!r}: it changes the run's math; resume with the saved "
-                            "value, or start a new run in another output_dir")
-    for key in sorted(set(saved["components"]) | set(now["components"])):
-        old, new = saved["components"].get(key), now["components"].get(key)
-        if old != new:
-            problems.append(f"{key} was {old}, now {new}: build the trainer with the saved run's {key}")
-    return problems
-
-
-def load_weights(model: nn.Module, folder: Path) -> None:
-    """Loads the trained weights of a checkpoint: the adapter under peft, else every weight."""
-    from safetensors.torch import load_file
-
-    if (folder / "adapter_model.safetensors").is_file():
-        from peft import set_peft_model_state_dict
-
-        result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
-        if getattr(result, "unexpected_keys", None):
-            raise ResumeError(f"{folder}: adapter tensors {result.unexpected_keys[:4]} match no layer of this model")
-        return
-    shards = sorted(folder.glob("model*.safetensors"))
-    if not shards:
-        raise ResumeError(f"{folder} holds no adapter_model.safetensors nor model*.safetensors; it is not a checkpoint "
-                         "of this trainer")
-    weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        weights.update(load_file(shard))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    loaded = {p.data_ptr() for name, p in model.named_parameters() if name in weights}
-    untied = [k for k in missing if dict(model.named_parameters()).get(k) is None
-              or dict(model.named_parameters())[k].data_ptr() not in loaded]
-    if unexpected or untied:
-        raise ResumeError(f"{folder}: the weights do not fit this model (missing {untied[:4]}, unexpected "
-                         f"{unexpected[:4]}); resume with the model the run was started from")
-
-
-def resolve(trainer: Any, resume: Resume) -> Path:
-    """The checkpoint folder ``resume`` names, picked by rank 0 (after tidying ``output_dir``) for every rank.
-
-    Raises:
-        FileNotFoundError: no checkpoint there.
-    """
-    output_dir, world = Path(trainer.config.output_dir), trainer.world
-    folder = None
-    if world.is_main:
-        clean_leftovers(output_dir)
-        folder = latest_checkpoint(output_dir) if str(resume.path) == "latest" else Path(resume.path)
-    folder = world.broadcast(folder)
-    if folder is None or not (folder / STATE_FILE).is_file():
-        where = f"in {output_dir}" if folder is None else f"at {folder}"
-        raise FileNotFoundError(f"no trainer checkpoint {where} to resume from (a checkpoint folder holds "
-                                f"{STATE_FILE}); start without resume_from, or point it at a checkpoint-N folder")
-    return folder
-
-
-def restore(trainer: Any, resume: Resume, folder: Path | None = None, *, sharded: bool = False) -> Path:
-    """Loads a checkpoint into a freshly built trainer: weights, optimizer, scheduler, RNG, prompt
-    source, callbacks, step, clock, temperature; truncates ``metrics.jsonl`` after the checkpoint's step.
-    ``folder``: the one :func:`resolve` picked (default: resolved here); ``sharded``: FSDP2 holds the model
-    (its weights were loaded before sharding; a whole optimizer state is cut into shards by name).
-
-    Raises:
-        FileNotFoundError: no checkpoint there.
-        ResumeError: a setting or component differs from the saved run's (each one named).
-    """
-    output_dir, world = Path(trainer.config.output_dir), trainer.world
-    folder = folder if folder is not None else resolve(trainer, resume)
-    summary = json.loads((folder / SUMMARY_FILE).read_text())
-    problems = _differences(summary, run_description(trainer), resume.allow_changes)
-    if problems:
-        raise ResumeError(f"cannot resume from {folder}: " + "; ".join(problems))
-    state = torch.load(folder / STATE_FILE, weights_only=False)  # our own file, written by trainer_state()
-    if len(state["callbacks"]) != len(trainer.callbacks):
-        raise ResumeError(f"{folder} was saved with {len(state['callbacks'])} callbacks, the trainer has "
-                         f"{len(trainer.callbacks)}; pass the same callbacks in the same order")
-    if not sharded:
-        load_weights(trainer.model, folder)
-    if state.get("optimizer_format") == "dcp":  # the ranks' shards (FSDP2): loads sharded or not
-        load_sharded_optimizer(trainer.model, trainer.optimizer, folder / OPTIMIZER_DIR)
-    elif sharded:  # a whole-model state into shards
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, _by_name(trainer.model, trainer.optimizer,
-                                                                             state["optimizer"]),
-                                 options=StateDictOptions(full_state_dict=True))
-    else:
-        trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.prompts.load_state_dict(state["prompts"])
-    for callback, saved in zip(trainer.callbacks, state["callbacks"], strict=True):
-        callback.load_state_dict(saved)
-    trainer.state.step, trainer.state.train_seconds = summary["step"], summary["train_seconds"]
-    trainer.state.skipped_steps = summary["skipped_steps"]
-    trainer.set_temperature(summary["temperature"])
-    trainer._skipped_in_a_row, trainer._warned_zero_std = state["skipped_in_a_row"], state["warned_zero_std"]
-    _set_rng_states(state["rng"])
-    if world.is_main:
-        _truncate_metrics(output_dir / "metrics.jsonl", summary["step"])
-    world.barrier()
-    return folder
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drops the lines of steps after ``step`` (logged after the checkpoint by the interrupted run)."""
-    if not path.is_file():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    if len(kept) == len(lines):
-        return
-    write_text_atomic(path, "".join(kept))
+    by_name = {"state": {order[i]: value for i, value in saved["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

@@ -110,7 +110,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(spec.config.output_dir)
-    problem = _resume_problem(spec, out) if args.resume else _used_problem(out)
+    problem = _resume_problem(spec, out) if args.resume else checkpoint.used_output_dir(out)
     if args.allow_change and not args.resume:
         problem = "--allow-change only applies with --resume"
     if problem:  # refused before anything is loaded or written
@@ -174,14 +174,6 @@ def _overridden(data: Any, settings: Sequence[str]) -> Any:
             node = child
         node[last] = value
     return data
-
-
-def _used_problem(out: Path) -> str | None:
-    metrics = out / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size:
-        return (f"output_dir={str(out)!r} already holds a run (metrics.jsonl); continue it with --resume, or choose "
-                "another config.output_dir")
-    return None
 
 
 def _resume_problem(spec: Any, out: Path) -> str | None:

@@ -1,234 +1,216 @@
-"""Several processes under ``torchrun``: which rank this is, the collectives a step needs, FSDP2.
+"""The parallelism strategy, chosen before the loop: one process, data parallel, or FSDP2.
 
-Each step every rank draws the same ``prompts_per_step`` prompts from the same seeded source and takes
-its slice (rank r the r-th of K), so groups never straddle ranks; it samples, scores and trains its
-own rows. Token draws are keyed by the row's place among all ranks' rows (``HFSampler.place``), so K
-ranks sample the completions one process would. :meth:`World.gather_step` hands every rank the whole
-step's batch, rewards and uncertainty, from which the trainer computes what has a batch-wide meaning
-exactly as one process does (advantages, the loss's counts, observations, metrics); gradients are
-summed across ranks (each loss is divided by the whole step's counts), so every rank takes the same
-optimizer step; step times are the slowest rank's. Rank 0 alone logs, evaluates and writes. Every
-rank holds the whole model (data parallel), or a 1/K shard of its decoder (:func:`fully_shard_model`,
-FSDP2) gathered whole while sampling (:func:`full_weights`).
+The training loop calls its strategy the same way whatever it is; one process is data parallel with
+K = 1, where every collective is a no-op. The rules every rank follows are written here, once:
+
+- Every rank draws the same ``prompts_per_step`` prompts from the same seeded source and samples its
+  slice (rank r the r-th of K), so groups never straddle ranks; token draws are keyed by the row's
+  place among every rank's rows (``types.Draws``), so K ranks sample what one process samples.
+- :meth:`DataParallel.gather_step` hands every rank the whole step's rollout: advantages, the loss's
+  counts, the prompt source, callbacks and the logged batch metrics see the whole step, as on one
+  process. The samplers' batch metrics are counts: concatenating the ranks' batches adds them up.
+- Loss metrics and the loss's counts are summed over ranks (each loss is divided by the whole step's
+  counts), gradients too, so every rank takes the same optimizer step; step times are the slowest
+  rank's. Rank 0 alone logs, evaluates and writes; after the callbacks every rank takes rank 0's
+  metrics and temperature, and stops or saves when any rank's callbacks asked.
+- :class:`FullyShardedDataParallel` (``MemoryPlan(sharding="fsdp")``) also shards the decoder with
+  FSDP2, gathers the whole model to sample, evaluate and save, runs every row on every rank (each
+  pass is a collective), and writes the optimizer state as one shard per rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from grpo_engine.sampling.dynamic import concat_rewards, concat_rollouts
-from grpo_engine.types import RewardOutput, RolloutBatch
+from grpo_engine import checkpoint
+from grpo_engine.callbacks import TrainerControl
+from grpo_engine.memory.apply import trainable_parameters
+from grpo_engine.memory.plan import MemoryPlan
+from grpo_engine.types import RewardOutput, Rollout, StepRollout
+from grpo_engine.world import World, is_sharded
 
-__all__ = ["World", "fully_shard_model", "full_weights", "is_sharded", "local_value"]
+__all__ = ["DataParallel", "FullyShardedDataParallel", "parallelism", "World", "fully_shard_model",
+           "full_weights", "is_sharded", "full_value"]
 
-_BUCKET = 1 << 24  # elements per gradient all-reduce
 
+class DataParallel:
+    """Every rank holds the whole model and trains its share of the step's rows (one process: all).
 
-@dataclass(frozen=True)
-class World:
-    """The processes of a run: this one's ``rank`` among ``size``, and the device it trains on.
-
-    ``World.current()`` reads what ``torchrun`` set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and
-    starts the process group (NCCL on GPUs, gloo on the CPU) unless the script already did; without
-    ``torchrun`` it is one process and every collective is a no-op.
+    Args:
+        world: this process's place in the launch (``World()`` for one process).
 
     Example:
-        >>> world = World()
-        >>> world.size, world.is_main, world.shard(["a", "b"])
-        (1, True, ['a', 'b'])
+        >>> DataParallel(World()).rows_to_run(torch.tensor([2, 5]), 8).tolist()
+        [2, 5]
     """
 
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
+    share_prompt = True  # the log-prob passes may run each distinct prompt once
 
-    @classmethod
-    def current(cls) -> World:
-        """This process's place in the ``torchrun`` launch (one process when there is none)."""
-        if dist.is_available() and dist.is_initialized():
-            local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-            return cls(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=local)
-        size = int(os.environ.get("WORLD_SIZE", "1"))
-        if size <= 1:
-            return cls()
-        if not dist.is_available():
-            raise RuntimeError(f"WORLD_SIZE={size} (a torchrun launch) but this torch has no torch.distributed; "
-                               "install a torch build with distributed support, or run one process")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local)  # "cuda" means this rank's GPU from here on
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-        return cls(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=local)
+    def __init__(self, world: World) -> None:
+        self.world = world
 
-    @property
-    def is_main(self) -> bool:
-        """Rank 0: the one that logs, evaluates and writes."""
-        return self.rank == 0
+    def prepare(self, model: nn.Module) -> None:
+        """Applies the strategy to the model, before its optimizer is built: rank 0's weights on every rank."""
+        self.world.broadcast_parameters(trainable_parameters(model))
 
-    @property
-    def device(self) -> torch.device:
-        """Where this rank's model lives: its GPU (``LOCAL_RANK``) when there is one, else the CPU."""
-        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    def whole_weights(self, needed: bool = True) -> contextlib.AbstractContextManager:
+        """The block runs with the whole model on this rank (always so here)."""
+        return contextlib.nullcontext()
 
-    def _tensor_device(self) -> torch.device:
-        """Where collectives take their tensors: NCCL only reduces GPU tensors."""
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    def rows_to_run(self, counted: Tensor, num_rows: int) -> Tensor:
+        """The rows this rank runs forward and backward: the ``counted`` ones (those that can change the
+        gradient)."""
+        return counted
 
     # -- the step's data ---------------------------------------------------------------------------
 
-    def check_prompts_per_step(self, prompts_per_step: int) -> None:
-        """Raises ValueError unless the step's prompts split evenly across the ranks."""
-        if prompts_per_step % self.size:
-            low = max(self.size, prompts_per_step - prompts_per_step % self.size)
-            raise ValueError(f"prompts_per_step={prompts_per_step} does not split across {self.size} processes: each "
-                             f"rank samples whole groups for an equal share; set prompts_per_step to a multiple of "
-                             f"{self.size} (e.g. {low} or {low + self.size})")
+    def gather_step(self, local: Rollout) -> StepRollout:
+        """The step's rollout on every rank: this rank's and every rank's in rank order."""
+        parts = self.world.gather_objects(local.to_cpu()) if self.world.size > 1 else [local]
+        whole = Rollout.concat(parts) if len(parts) > 1 else local
+        if whole.uncertainty is not None and local.uncertainty is not None:  # back where the estimator put it
+            whole = Rollout(whole.batch, whole.rewards, whole.uncertainty.to(local.uncertainty.device))
+        return StepRollout(local, whole, tuple(p.batch.num_prompts for p in parts), self.world.rank)
 
-    def shard(self, items: Sequence[Any]) -> list[Any]:
-        """This rank's equal slice of ``items`` (all of them on one process)."""
-        share = len(items) // self.size
-        return list(items[self.rank * share:(self.rank + 1) * share])
+    def gather_rewards(self, step: StepRollout, local: RewardOutput) -> StepRollout:
+        """``step`` with this rank's rewards replaced by ``local`` and the whole step's gathered anew."""
+        parts = self.world.gather_objects(local.to_cpu()) if self.world.size > 1 else [local]
+        return step.with_rewards(local, RewardOutput.concat(parts) if len(parts) > 1 else local)
 
-    def local_rows(self, values: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
-        """This rank's slice of ``values`` along dim 0 (the step's rows, in rank order): the r-th of
-        ``sizes`` (every rank's count), or the r-th equal share."""
-        sizes = sizes if sizes is not None else [values.shape[0] // self.size] * self.size
-        start = sum(sizes[:self.rank])
-        return values[start:start + sizes[self.rank]]
+    def summed_metrics(self, sums: dict[str, Any]) -> dict[str, float]:
+        """Every rank's sums of loss metrics added up, under the union of the ranks' keys (a rank that
+        trained no row adds 0)."""
+        keys = tuple(dict.fromkeys(key for keys in self.world.gather_objects(tuple(sums)) for key in keys))
+        return dict(zip(keys, self.world.sum([float(sums.get(key, 0.0)) for key in keys])))
 
-    def gather_step(self, batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None
-                    ) -> tuple[RolloutBatch, RewardOutput, Tensor | None]:
-        """The whole step on every rank: the ranks' batches, rewards and uncertainties, in rank order."""
-        if self.size == 1:
-            return batch, rewards, uncertainty
-        parts = self.gather_objects((_cpu_batch(batch), _cpu_rewards(rewards),
-                                     uncertainty.cpu() if uncertainty is not None else None))
-        whole_uncertainty = None if uncertainty is None else torch.cat([p[2] for p in parts]).to(uncertainty.device)
-        return (concat_rollouts([p[0] for p in parts]), concat_rewards([p[1] for p in parts]), whole_uncertainty)
+    def agree(self, metrics: dict[str, float], control: TrainerControl, temperature: float
+              ) -> tuple[dict[str, float], float]:
+        """After the callbacks: rank 0's metrics and temperature on every rank; ``control`` stops or
+        saves when any rank's callbacks asked."""
+        asks = self.world.gather_objects((control.should_stop, control.should_save))
+        control.should_stop, control.should_save = (any(ask[i] for ask in asks) for i in range(2))
+        return self.world.broadcast((metrics, temperature))
 
-    def gather_rewards(self, rewards: RewardOutput) -> RewardOutput:
-        """Every rank's rewards, concatenated in rank order."""
-        if self.size == 1:
-            return rewards
-        return concat_rewards(self.gather_objects(_cpu_rewards(rewards)))
+    # -- gradients and checkpoints ------------------------------------------------------------------
 
-    # -- reductions --------------------------------------------------------------------------------
+    def reduce_gradients(self, params: Iterable[nn.Parameter]) -> None:
+        """Sums the gradients over the ranks."""
+        self.world.sum_gradients(params)
 
-    def gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order."""
-        if self.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj)
-        return out
+    def save(self, path: Path, model: nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
+             state: dict[str, Any], text_files: dict[str, str]) -> Path:
+        """Writes a checkpoint (weights, tokenizer, ``text_files``, ``state`` with the optimizer's)
+        from rank 0, durably; every rank returns once it is complete."""
+        return self._write(path, model, tokenizer, text_files, {**state, "optimizer": optimizer.state_dict(),
+                                                                "optimizer_format": "state_dict"})
 
-    def sum(self, values: Sequence[float]) -> list[float]:
-        """Element-wise sums over the ranks (float64)."""
-        return self._reduce(values, dist.ReduceOp.SUM)
+    def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                       folder: Path) -> None:
+        """Restores the optimizer from a checkpoint of either kind (whole, or one shard per rank)."""
+        if state["optimizer_format"] == "dcp":
+            checkpoint.load_sharded_optimizer(model, optimizer, folder / checkpoint.OPTIMIZER_DIR)
+        else:
+            optimizer.load_state_dict(state["optimizer"])
 
-    def max(self, values: Sequence[float]) -> list[float]:
-        """Element-wise maxima over the ranks."""
-        return self._reduce(values, dist.ReduceOp.MAX)
+    def _write(self, path: Path, model: nn.Module, tokenizer: Any, text_files: dict[str, str],
+               state: dict[str, Any], weights: dict[str, Tensor] | None = None, tmp: Path | None = None) -> Path:
+        if self.world.is_main:
+            checkpoint.save_pretrained_atomic(model, tokenizer, path, text_files, {checkpoint.STATE_FILE: state},
+                                              state_dict=weights, tmp=tmp)
+        self.world.barrier()  # no rank moves on before the checkpoint is complete
+        return Path(path)
 
-    def cat(self, values: Tensor) -> Tensor:
-        """Every rank's 1-D ``values`` (lengths may differ) concatenated in rank order, in their dtype;
-        sent as float64, so a rank with nothing to add passes ``torch.zeros(0)`` of any float dtype."""
-        if self.size == 1:
-            return values
-        device = self._tensor_device()
-        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(self.size)]
-        dist.all_gather(sizes, torch.tensor([values.numel()], dtype=torch.long, device=device))
-        counts = [int(n) for n in sizes]
-        if not max(counts):
-            return values.reshape(-1)
-        padded = torch.zeros(max(counts), dtype=torch.float64, device=device)
-        padded[:values.numel()] = values.reshape(-1).detach().to(device=device, dtype=torch.float64)
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(parts, padded)
-        whole = torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
-        return whole.to(device=values.device, dtype=values.dtype)
 
-    def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
-        if self.size == 1:
-            return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._tensor_device())
-        dist.all_reduce(t, op=op)
-        return t.tolist()
+class FullyShardedDataParallel(DataParallel):
+    """Data parallel with the decoder sharded over the ranks by FSDP2 (``MemoryPlan(sharding="fsdp")``).
 
-    def sum_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Sums ``.grad`` over the ranks in place (a rank that trained no row adds zeros), in buckets of
-        about 2^24 elements per dtype (one all-reduce each)."""
-        if self.size == 1:
-            return
-        params = [p for p in params if p.requires_grad and not is_sharded(p)]  # FSDP2 summed its shards
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        buckets: dict[tuple[torch.dtype, torch.device, int], list[Tensor]] = {}
-        filled: dict[tuple[torch.dtype, torch.device], int] = {}
-        for p in params:
-            kind = (p.grad.dtype, p.grad.device)
-            filled[kind] = filled.get(kind, 0) + p.grad.numel()
-            buckets.setdefault((*kind, (filled[kind] - 1) // _BUCKET), []).append(p.grad)
-        for grads in buckets.values():
-            flat = torch.cat([g.reshape(-1) for g in grads]).to(self._tensor_device())
-            dist.all_reduce(flat)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+    Each decoder layer and the decoder (embeddings, final norm) hold 1/K of their weights, gradients
+    and AdamW states per rank; the lm_head stays whole. Sampling, evaluation and saving gather the
+    whole model; every rank runs every row (each pass is a collective) and no pass shares prompts.
+    """
 
-    def clip_grad_norm(self, params: Sequence[Tensor], max_norm: float) -> float:
-        """``torch.nn.utils.clip_grad_norm_`` over every rank's shards too: the norm of the whole gradient
-        (float64 sums), and the gradients scaled by ``max_norm / (norm + 1e-6)`` when that is below 1."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if not any(is_sharded(g) for g in grads):
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        shards = sum(float(g.to_local().double().pow(2).sum()) for g in grads if is_sharded(g))
-        whole = sum(float(g.double().pow(2).sum()) for g in grads if not is_sharded(g))
-        norm = (self.sum([shards])[0] + whole) ** 0.5
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                (g.to_local() if is_sharded(g) else g).mul_(coef)
-        return norm
+    share_prompt = False
 
-    def broadcast_parameters(self, params: Iterable[Tensor]) -> None:
-        """Copies rank 0's values of ``params`` to every rank (the trained weights start equal)."""
-        if self.size == 1:
-            return
-        for p in params:
-            data = p.data.to(self._tensor_device())
-            dist.broadcast(data, src=0)
-            p.data.copy_(data)
+    def __init__(self, world: World) -> None:
+        super().__init__(world)
+        self.units: list[nn.Module] = []  # FSDP2's sharded modules, once prepared
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if self.size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+    @staticmethod
+    def check(memory: MemoryPlan, *, full_reference: bool, filters_groups: bool) -> None:
+        """Raises ValueError for a setup FSDP2 cannot take here, naming it and the fix."""
+        problems = []
+        if filters_groups:
+            problems.append("a sampler that drops groups (DynamicSampling: ranks would train unequal rows, and "
+                            "every FSDP2 pass is a collective)")
+        if memory.quantization is not None:
+            problems.append("a 4-bit base (quantization='nf4')")
+        if memory.optimizer != "adamw":
+            problems.append(f"optimizer={memory.optimizer!r} (bitsandbytes states are not sharded)")
+        if full_reference:
+            problems.append("a frozen reference copy (a KL term under full fine-tuning)")
+        if problems:
+            raise ValueError(f"sharding='fsdp' does not take {' nor '.join(problems)}; use sharding='none', or "
+                             "LoRA with optimizer='adamw' and no quantization")
 
-    def barrier(self) -> None:
-        """Waits for every rank."""
-        if self.size > 1:  # NCCL: on this rank's GPU (not whichever it would guess)
-            dist.barrier(**({"device_ids": [self.local_rank]} if dist.get_backend() == "nccl" else {}))
+    def prepare(self, model: nn.Module) -> None:
+        super().prepare(model)
+        self.units = fully_shard_model(model)
+
+    def whole_weights(self, needed: bool = True) -> contextlib.AbstractContextManager:
+        return full_weights(self.units if needed else ())
+
+    def rows_to_run(self, counted: Tensor, num_rows: int) -> Tensor:
+        """Every row: each forward and backward is a collective, so every rank runs as many as the others
+        (a row with advantage 0 adds nothing to the gradient)."""
+        return torch.arange(num_rows)
+
+    def save(self, path: Path, model: nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
+             state: dict[str, Any], text_files: dict[str, str]) -> Path:
+        """The whole weights gathered on rank 0; every rank writes its optimizer shard into the
+        checkpoint's temporary folder, which rank 0 completes and puts in place."""
+        weights = checkpoint.gather_weights(model)
+        tmp = self.world.broadcast(checkpoint.staging_folder(path) if self.world.is_main else None)
+        checkpoint.save_sharded_optimizer(model, optimizer, tmp / checkpoint.OPTIMIZER_DIR)
+        return self._write(path, model, tokenizer, text_files, {**state, "optimizer": None,
+                                                                "optimizer_format": "dcp"}, weights, tmp)
+
+    def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                       folder: Path) -> None:
+        if state["optimizer_format"] == "dcp":
+            checkpoint.load_sharded_optimizer(model, optimizer, folder / checkpoint.OPTIMIZER_DIR)
+        else:  # a whole optimizer state (one process, data parallel) cut into this rank's shards
+            checkpoint.load_whole_optimizer_sharded(model, optimizer, state["optimizer"])
+
+
+def parallelism(memory: MemoryPlan, world: World, *, full_reference: bool, filters_groups: bool
+                ) -> DataParallel:
+    """The strategy of this launch: FSDP2 when the plan asks for it and there are several ranks (after
+    :meth:`FullyShardedDataParallel.check`), else data parallel (one process included)."""
+    if memory.sharding == "fsdp" and world.size > 1:
+        FullyShardedDataParallel.check(memory, full_reference=full_reference, filters_groups=filters_groups)
+        return FullyShardedDataParallel(world)
+    return DataParallel(world)
+
+
+def place_model(model: nn.Module, world: World, *, loaded_here: bool, quantized: bool) -> nn.Module:
+    """The model on this rank's device: a model the trainer loaded goes to the GPU when there is one
+    (a 4-bit one was loaded onto it); one the caller placed on a GPU goes to this rank's GPU."""
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if (loaded_here and not quantized and world.device.type == "cuda") or (world.size > 1 and on_gpu):
+        return model.to(world.device)
+    return model
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------------
 
 
-def fully_shard_model(model: torch.nn.Module) -> list[torch.nn.Module]:
+def fully_shard_model(model: nn.Module) -> list[nn.Module]:
     """Shards a causal LM over the process group with FSDP2 and returns the sharded units: each decoder
     layer, then the decoder (embeddings, final norm). The lm_head stays whole on every rank (the
     log-prob pass calls it a varying number of times, and every FSDP2 call is a collective), and so
@@ -250,7 +232,7 @@ def fully_shard_model(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+    if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"sharding='fsdp' shards a transformers decoder (model.get_decoder().layers); "
                          f"{type(model).__name__} has none: use sharding='none'")
     head = model.get_output_embeddings()
@@ -266,7 +248,7 @@ def fully_shard_model(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def full_weights(units: Sequence[torch.nn.Module]) -> Iterator[None]:
+def full_weights(units: Sequence[nn.Module]) -> Iterator[None]:
     """The whole model on every rank in the block (one all-gather per unit on entry, on every rank), so
     that each rank may run any number of forwards on its own (sampling, evaluation); sharded again
     on exit. Nothing for no units."""
@@ -281,27 +263,6 @@ def full_weights(units: Sequence[torch.nn.Module]) -> Iterator[None]:
             unit.reshard()
 
 
-def is_sharded(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is an FSDP2 shard (a DTensor)."""
-    return hasattr(tensor, "to_local") and hasattr(tensor, "full_tensor")
-
-
-def local_value(value: Any) -> Any:
+def full_value(value: Any) -> Any:
     """The whole value of a DTensor (a collective: call it on every rank), else the value itself."""
     return value.full_tensor() if is_sharded(value) else value
-
-
-# -- gathering ---------------------------------------------------------------------------------------
-
-
-def _cpu_batch(batch: RolloutBatch) -> RolloutBatch:
-    """The batch on the CPU, picklable (plain dicts for the read-only views)."""
-    tensors = {f.name: getattr(batch, f.name).cpu() for f in dataclasses.fields(batch)
-               if isinstance(getattr(batch, f.name), Tensor)}
-    return dataclasses.replace(batch, **tensors, metrics=dict(batch.metrics),
-                               rewards=_cpu_rewards(batch.rewards) if batch.rewards is not None else None)
-
-
-def _cpu_rewards(rewards: RewardOutput) -> RewardOutput:
-    return RewardOutput(total=rewards.total.cpu(), breakdown={k: v.cpu() for k, v in rewards.breakdown.items()},
-                        errors=dict(rewards.errors))  # plain dicts: a mapping proxy does not pickle

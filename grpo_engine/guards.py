@@ -3,23 +3,25 @@
 A step is skipped, its weights untouched, when the total reward or an advantage is not finite
 (checked before any forward pass) or when the loss, a loss term or the gradient norm is not finite
 (checked before ``optimizer.step``). The explanation names what was not finite: which reward of the
-breakdown, which completions' advantages, which rows' log-probs, which loss terms. The trainer
-counts skipped steps and stops after ``max_nonfinite_steps`` in a row (:class:`NonFiniteError`).
+breakdown, which completions' advantages, which rows' log-probs, which loss terms. Skipped steps
+are counted in ``TrainerState`` (:func:`count_skipped`), and the run stops after
+``max_nonfinite_steps`` in a row (:class:`NonFiniteError`). A save refuses non-finite weights.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from grpo_engine.types import RewardOutput
+from grpo_engine.world import is_sharded
 
-__all__ = ["NonFiniteStep", "NonFiniteError", "nonfinite_advantages", "nonfinite_update"]
-
-
-class NonFiniteStep(Exception):
-    """A step met a non-finite value; it is skipped (message: what and where)."""
+__all__ = ["NonFiniteError", "nonfinite_advantages", "nonfinite_update", "count_skipped",
+           "nonfinite_parameters"]
 
 
 class NonFiniteError(RuntimeError):
@@ -48,12 +50,39 @@ def nonfinite_advantages(rewards: RewardOutput, advantages: Tensor) -> str | Non
     return None
 
 
-def nonfinite_update(metrics: dict[str, float], bad_logprob_rows: list[tuple[Tensor, Tensor]]) -> str | None:
+def nonfinite_update(metrics: dict[str, float], nonfinite_rows: Sequence[int]) -> str | None:
     """Why an update must not be applied (its loss, a loss term or the gradient norm is not finite),
-    or None. ``bad_logprob_rows``: (rows [n], non-finite flags [n]) of each micro-batch's log-probs."""
+    or None. ``nonfinite_rows``: the rows whose log-probs the training pass found not finite."""
     terms = [name for name, value in metrics.items() if not math.isfinite(value)]
     if not terms:
         return None
-    rows = [int(r) for idx, flags in bad_logprob_rows for r in idx[flags.cpu()].tolist()]
+    rows = list(nonfinite_rows)
     where = f"; the log-probs of rows {rows[:8]} are not finite (the model's logits)" if rows else ""
     return f"non-finite {', '.join(terms)}{where}"
+
+
+def count_skipped(state: Any, problem: str | None, max_in_a_row: int) -> None:
+    """Counts in ``state`` (a ``TrainerState``) whether the step just taken was skipped for
+    ``problem`` (None: it was applied), warning with the reason.
+
+    Raises:
+        NonFiniteError: ``max_in_a_row`` steps in a row were skipped.
+    """
+    if problem is None:
+        state.skipped_in_a_row = 0
+        return
+    state.skipped_steps += 1
+    state.skipped_in_a_row += 1
+    warnings.warn(f"step {state.step + 1} skipped, weights unchanged: {problem}", stacklevel=3)
+    if state.skipped_in_a_row >= max_in_a_row:
+        raise NonFiniteError(
+            f"{state.skipped_in_a_row} steps in a row were skipped for non-finite values (the last: {problem}); "
+            f"the weights are those after step {state.step - state.skipped_in_a_row + 1} and nothing "
+            "non-finite was saved: fix the reward or the settings named above, then resume from the last "
+            "checkpoint")
+
+
+def nonfinite_parameters(model: nn.Module) -> list[str]:
+    """The names of the trained parameters (this rank's shards under FSDP2) holding NaN or inf."""
+    return [name for name, p in model.named_parameters()
+            if p.requires_grad and not bool((p.to_local() if is_sharded(p) else p).isfinite().all())]

@@ -1,7 +1,7 @@
 """Presets of the GRPO family: plain functions that return the components, never strings.
 
 Each preset returns a :class:`Recipe` (an advantage, a loss composed from the loss terms, an optional
-sampler wrapper and extra rewards) set as its paper sets them; pass it to the trainer with
+group filter and extra rewards) set as its paper sets them; pass it to the trainer with
 ``GRPOTrainer(..., rewards=[MathAccuracy(), *recipe.extra_rewards], **recipe.components())``.
 
 - ``grpo()``: group z-score; PPO clip 0.2, per-sequence mean, k3 KL in the loss (beta 0.04).
@@ -21,7 +21,7 @@ from typing import Any
 
 from grpo_engine.advantages import RLOO, GroupNormalized, MeanBaseline
 from grpo_engine.losses import CISPO, GSPO, ClippedSurrogate, KLPenalty
-from grpo_engine.protocols import AdvantageFn, GRPOLoss, RewardFn, SamplerWrapper
+from grpo_engine.protocols import AdvantageFn, GRPOLoss, GroupFilter, RewardFn
 from grpo_engine.rewards.length import OverlongPenalty
 from grpo_engine.sampling.dynamic import DynamicSampling
 
@@ -35,13 +35,13 @@ class Recipe:
     Attributes:
         advantage: the AdvantageFn.
         loss: the GRPOLoss.
-        sampler: a sampler wrapper (DAPO's dynamic sampling), or None.
+        sampler: a group filter on sampling (DAPO's dynamic sampling), or None.
         extra_rewards: rewards the variant adds to the task's own (e.g. DAPO's overlong penalty).
     """
 
     advantage: AdvantageFn
     loss: GRPOLoss
-    sampler: SamplerWrapper | None = None
+    sampler: GroupFilter | None = None
     extra_rewards: tuple[RewardFn, ...] = field(default_factory=tuple)
 
     def components(self) -> dict[str, Any]:

@@ -1,9 +1,11 @@
-"""The contracts of a GRPO step: every attribute and method the trainer may use of a component.
+"""The contracts of a GRPO step: every method and attribute the trainer uses of a component.
 
 A variant of any stage is a different object that satisfies one of these protocols; the trainer
 never branches on a string and never reads an attribute a protocol does not declare. Math
-components (advantages, losses, entropy estimators) are pure functions of tensors: no
-``.item()``, no logging, no distributed calls. ``types.py`` has the shape legend (B, G, N, n, C, V).
+components (advantages, losses, loss terms, entropy estimators) are pure functions of tensors: no
+``.item()``, no logging, no distributed calls; a statistic over every rank (the top-entropy
+threshold's pool, dynamic sampling's count of kept groups) is computed by the trainer and handed
+in. ``types.py`` has the records and the shape legend (B, G, N, n, C, V).
 """
 
 from __future__ import annotations
@@ -13,37 +15,56 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from grpo_engine.types import LossOutput, MicroBatch, Prompt, Requirements, RewardOutput, RolloutBatch
+from grpo_engine.types import (
+    Draws,
+    LossOutput,
+    MicroBatch,
+    Prompt,
+    Requirements,
+    RewardOutput,
+    RolloutBatch,
+    TokenLoss,
+)
 
-__all__ = ["Sampler", "SamplerWrapper", "RewardFn", "RewardTransform", "EntropyEstimator", "AdvantageFn",
-           "GRPOLoss", "PromptSource"]
+__all__ = ["Sampler", "GroupFilter", "RewardFn", "RewardTransform", "EntropyEstimator", "AdvantageFn",
+           "GRPOLoss", "PooledEntropyLoss", "LossTerm", "RowFilter", "PromptSource"]
 
 
 @runtime_checkable
 class Sampler(Protocol):
     """Draws ``group_size`` completions for each prompt.
 
-    ``temperature``: the sampling temperature; the trainer computes log-probs at it, and a
-    controller (``AdaptiveTemperature``) may set it between steps.
+    The trainer calls ``prompt_tokens`` on every training prompt when it is built (to find prompts
+    longer than ``max_prompt_tokens``) and ``sample`` once per step (once per round under a group
+    filter), with the temperature in force and the call's ``Draws``. Under ``torchrun`` each rank
+    samples its share of the step's prompts, and ``draws`` says where that share sits among every
+    rank's: a sampler that keys each row's token draws by ``draws.seed`` and the row's place
+    (``HFSampler`` does) makes K ranks draw the completions one process draws.
     """
 
-    temperature: float
+    def prompt_tokens(self, prompt: Prompt) -> list[int]:
+        """The token ids of the rendered prompt, whole (before any truncation)."""
+        ...
 
-    def sample(self, prompts: Sequence[Prompt], *, group_size: int) -> RolloutBatch:
-        """Returns a batch of N = len(prompts) * group_size completions, rows ``b*G ..`` of prompt b."""
+    def sample(self, prompts: Sequence[Prompt], *, group_size: int, temperature: float,
+               draws: Draws) -> RolloutBatch:
+        """Returns a batch of N = len(prompts) * group_size completions, rows ``b*G ..`` of prompt b,
+        sampled at ``temperature`` (the trainer computes its log-probs at it too)."""
         ...
 
 
 @runtime_checkable
-class SamplerWrapper(Protocol):
-    """A filter on sampling (DAPO's dynamic sampling) that the trainer binds to its own parts.
-
-    Passed as ``GRPOTrainer(sampler=...)``, it is bound once, at construction, to the sampler the
-    trainer would otherwise use, its reward function and its prompt source.
+class GroupFilter(Protocol):
+    """Which sampled groups to train on (DAPO's dynamic sampling): the trainer samples, scores and
+    asks ``keep``; it draws fresh prompts for the groups still missing, for at most ``max_rounds``
+    rounds, and trains on the first ``prompts_per_step`` groups kept (all of the last round when
+    none was). Passed as ``GRPOTrainer(sampler=...)``.
     """
 
-    def bind(self, sampler: Sampler, rewards: Any, prompts: PromptSource) -> Sampler:
-        """Returns the Sampler the trainer uses (``rewards`` is the trainer's ``WeightedSum``)."""
+    max_rounds: int
+
+    def keep(self, rewards: RewardOutput) -> Tensor:
+        """[B] bool: the groups of a round, scored ([B, G]), that carry a learning signal."""
         ...
 
 
@@ -79,10 +100,11 @@ class RewardTransform(Protocol):
 class EntropyEstimator(Protocol):
     """Measures how uncertain the policy is about each prompt.
 
-    ``requires_sampler_logprobs``: the estimator reads ``batch.sampler_logprobs``.
+    ``requires``: read once; ``sampler_logprobs=True`` makes the default sampler report the sampled
+    tokens' log-probs (``batch.sampler_logprobs``), which the estimator then reads.
     """
 
-    requires_sampler_logprobs: bool
+    requires: Requirements
 
     def __call__(self, batch: RolloutBatch, rewards: RewardOutput) -> Tensor:
         """Returns [B] per-group uncertainty."""
@@ -134,9 +156,66 @@ class GRPOLoss(Protocol):
 
 
 @runtime_checkable
+class PooledEntropyLoss(GRPOLoss, Protocol):
+    """A loss that takes a statistic over the i-th micro-batch of every rank (``requires.entropy_pool``).
+
+    Per micro-batch the trainer calls ``pooled_entropy`` (pure: this micro-batch's contribution),
+    concatenates the results of every rank, and passes them as ``MicroBatch.entropy_pool`` to the
+    loss call. On one process the pool is this micro-batch's own values.
+    """
+
+    def pooled_entropy(self, batch: MicroBatch) -> Tensor:
+        """[k] this micro-batch's share of the pool (e.g. the entropies of the tokens that count)."""
+        ...
+
+
+@runtime_checkable
+class LossTerm(Protocol):
+    """One change to ``ClippedSurrogate``'s per-token loss: a surrogate weight (rescale or mask
+    ``policy``, narrow ``clipped``) or a penalty (add to ``penalty``), with metrics.
+
+    Terms run in the order given, after the clip, on a :class:`~grpo_engine.types.TokenLoss`; each
+    returns a new one (``tokens.replace(...)``). ``requires`` says what the micro-batch must carry;
+    ``zero_advantage_rows=True`` when the term changes the loss of rows with advantage 0. A term
+    that adds a per-token penalty β · (logp - ref)²::
+
+        class SquaredDistance:
+            requires = Requirements(ref_logprobs=True)
+
+            def __call__(self, tokens, batch):
+                diff = tokens.logprobs - batch.ref_logprobs
+                penalty = torch.where(tokens.mask, 0.1 * diff ** 2, 0.0)
+                return tokens.replace(penalty=tokens.penalty + penalty)
+    """
+
+    requires: Requirements
+
+    def __call__(self, tokens: TokenLoss, batch: MicroBatch) -> TokenLoss:
+        """The per-token loss after this term."""
+        ...
+
+
+@runtime_checkable
+class RowFilter(Protocol):
+    """Which completions count in ``ClippedSurrogate`` at all (DAPO's overlong filtering): a row it
+    drops adds nothing to the loss, the gradient or the metrics, and leaves both step counts."""
+
+    requires: Requirements
+
+    def keep_rows(self, is_truncated: Tensor) -> Tensor:
+        """[N] bool from the [N] truncation flags: True for the rows that count."""
+        ...
+
+
+@runtime_checkable
 class PromptSource(Protocol):
     """Where the training prompts come from, one batch per step (``PromptStream``,
-    ``InformativeCurriculum``); resumable."""
+    ``InformativeCurriculum``); resumable.
+
+    ``prompts``: every prompt it may serve (the trainer checks them all when it is built).
+    """
+
+    prompts: Sequence[Prompt]
 
     def next_batch(self, size: int | None = None) -> list[Prompt]:
         """The next ``size`` prompts (default: the source's batch size)."""

@@ -44,7 +44,7 @@ class TensorBoardLogger(Callback):
         _require("tensorboard", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(self.log_dir or Path(state.output_dir) / "tensorboard"))
+        self.writer = SummaryWriter(str(self.log_dir or Path(trainer.config.output_dir) / "tensorboard"))
 
     def on_step_end(self, trainer: Any, state: TrainerState, control: TrainerControl, *,
                     metrics: dict[str, float]) -> None:
@@ -93,7 +93,7 @@ class WandbLogger(_RunLogger):
 
     def on_train_start(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
         wandb = _require("wandb", "wandb")
-        self.run = wandb.init(project=self.project, dir=state.output_dir, config=_run_config(trainer),
+        self.run = wandb.init(project=self.project, dir=trainer.config.output_dir, config=_run_config(trainer),
                               **self.init_kwargs)
 
     def _log(self, metrics: dict[str, float], step: int) -> None:

@@ -12,7 +12,6 @@ with ``PoolRecorder``, each micro-batch's entropy pool.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from grpo_engine import GRPOConfig, GRPOTrainer, HeldOutEval, LoRA, MemoryPlan  
 from grpo_engine.advantages import GroupNormalized, ReinforcePlusPlusBaseline  # noqa: E402
 from grpo_engine.checkpoint import Resume  # noqa: E402
 from grpo_engine.data import ChatTemplate, InformativeCurriculum, PlainTemplate, arithmetic_task  # noqa: E402
-from grpo_engine.distributed import local_value  # noqa: E402
+from grpo_engine.distributed import full_value  # noqa: E402
 from grpo_engine.entropy import AdaptiveTemperature, SemanticEntropy  # noqa: E402
 from grpo_engine.losses import ClippedSurrogate  # noqa: E402
 from grpo_engine.memory.apply import trainable_parameters  # noqa: E402
@@ -54,7 +53,8 @@ class StartsWithDigit(Reward):
 
 class PoolRecorder:
     """``ClippedSurrogate(top_entropy_quantile=0.2)`` that records, per micro-batch, this rank's valid-token
-    entropies and the pool its threshold was taken over (what ``MicroBatch.gather`` returned)."""
+    entropies and the pool its threshold was taken over (``MicroBatch.entropy_pool``, which the trainer
+    gathers from every rank's ``pooled_entropy``)."""
 
     def __init__(self):
         self.inner = ClippedSurrogate(top_entropy_quantile=0.2)
@@ -63,13 +63,12 @@ class PoolRecorder:
     def counts(self, completion_mask, is_truncated=None):
         return self.inner.counts(completion_mask, is_truncated)
 
-    def __call__(self, logprobs, batch, **counts):
-        def gather(values):
-            pooled = batch.gather(values)
-            self.pools.append((values.clone(), pooled.clone()))
-            return pooled
+    def pooled_entropy(self, batch):
+        return self.inner.pooled_entropy(batch)
 
-        return self.inner(logprobs, dataclasses.replace(batch, gather=gather), **counts)
+    def __call__(self, logprobs, batch, **counts):
+        self.pools.append((self.inner.pooled_entropy(batch).clone(), batch.entropy_pool.clone()))
+        return self.inner(logprobs, batch, **counts)
 
 
 class Eval(HeldOutEval):
@@ -146,13 +145,13 @@ def run(name: str, out: Path, resume: str | None = None) -> dict:
     step = trainer.optimizer.step
 
     def recording_step(*args, **kwargs):
-        record["grads"].append([local_value(p.grad).detach().clone() for p in trainable_parameters(trainer.model)])
+        record["grads"].append([full_value(p.grad).detach().clone() for p in trainable_parameters(trainer.model)])
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
     while trainer.step_count < steps:
         metrics = trainer.step()
-        record["weights"].append([local_value(p).detach().clone() for p in trainable_parameters(trainer.model)])
+        record["weights"].append([full_value(p).detach().clone() for p in trainable_parameters(trainer.model)])
         record["metrics"].append({k: v for k, v in metrics.items() if not k.startswith(("time/", "tokens/generated_"))})
         if isinstance(trainer.loss, PoolRecorder):
             record["pools"].append(list(trainer.loss.pools))

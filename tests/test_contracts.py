@@ -7,7 +7,7 @@ import torch
 from grpo_engine import GRPOConfig, GRPOTrainer, MemoryPlan, Requirements
 from grpo_engine.callbacks import Callback
 from grpo_engine.losses import ClippedSurrogate
-from grpo_engine.protocols import GRPOLoss, PromptSource, RewardTransform, Sampler
+from grpo_engine.protocols import GRPOLoss, GroupFilter, PromptSource, RewardTransform, Sampler
 from grpo_engine.types import LossOutput, RewardOutput
 from tests.test_trainer import PROMPTS, TEMPLATE, DigitShare, grads, sample_with_advantages
 from tests.tiny import char_tokenizer, tiny_llama
@@ -74,7 +74,7 @@ def test_what_a_loss_declares_is_what_the_trainer_computes(tmp_path):
     trainer.compute_gradients(batch, advantages)
     assert sum(c[0] for c in calls) == 8
     skipping = trainer_with(tmp_path, Reinforce())  # zero_advantage_rows=False: those rows are skipped
-    assert skipping._rows_to_train(advantages).tolist() == list(range(4, 8))
+    assert skipping.gradients.counted_rows(advantages).tolist() == list(range(4, 8))
 
 
 def test_the_other_protocols_are_what_their_components_implement(tmp_path):
@@ -87,8 +87,7 @@ def test_the_other_protocols_are_what_their_components_implement(tmp_path):
     assert isinstance(PromptStream(PROMPTS, 2), PromptSource) and isinstance(InformativeCurriculum(PROMPTS, 2),
                                                                               PromptSource)
     assert isinstance(KLRewardPenalty(0.1), RewardTransform)
-    bound = DynamicSampling().bind(trainer.sampler, trainer.rewards, trainer.prompts)
-    assert isinstance(bound, Sampler) and bound.temperature == trainer.sampler.temperature
+    assert isinstance(DynamicSampling(), GroupFilter) and not isinstance(DynamicSampling(), Sampler)
 
 
 def test_callbacks_see_every_event_in_order_and_can_stop_and_save(tmp_path):

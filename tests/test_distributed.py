@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from grpo_engine.distributed import World
+from grpo_engine.types import Prompt, RewardOutput, Rollout, RolloutBatch, StepRollout
 from tests import _dp_run
 
 CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "dynamic", "demo",
@@ -152,10 +153,28 @@ def test_prompts_per_step_must_split_evenly_across_ranks():
     World(rank=1, size=2).check_prompts_per_step(6)
 
 
-def test_each_rank_takes_its_equal_slice_in_rank_order():
-    world = World(rank=1, size=2)
-    assert world.shard(["a", "b", "c", "d"]) == ["c", "d"]
-    assert world.local_rows(torch.arange(8)).tolist() == [4, 5, 6, 7]
+def _rollout(groups: int, first: int, marks: list[bool] | None = None) -> Rollout:
+    """``groups`` groups of 2 one-token rows, their rows numbered from ``first``."""
+    n = 2 * groups
+    ids = torch.arange(first, first + n)[:, None]
+    ones = torch.ones(n, 1, dtype=torch.bool)
+    batch = RolloutBatch(tuple(Prompt(f"p{i}") for i in range(groups)), 2, ids, ones, ids, ones,
+                         torch.zeros(n, dtype=torch.bool), tuple(str(i) for i in range(n)),
+                         trained_groups=torch.tensor(marks) if marks is not None else None)
+    return Rollout(batch, RewardOutput(torch.zeros(groups, 2)))
+
+
+def test_each_rank_takes_its_slice_in_rank_order_and_its_rows_of_the_whole_step():
+    assert World(rank=1, size=2).share(["a", "b", "c", "d"]) == (["c", "d"], 2)
+    assert World(rank=0, size=2).share(["a", "b", "c"]) == (["a", "b"], 0)  # the first len % K ranks: one more
+    assert World(rank=1, size=2).share(["a", "b", "c"]) == (["c"], 2)
+    # rank 0 drew 2 groups (rows 0-3), rank 1 one group (rows 4-5); a filter kept groups 1 and 2
+    local, whole = _rollout(1, 4, [True]), Rollout.concat([_rollout(2, 0, [False, True]), _rollout(1, 4, [True])])
+    step = StepRollout(local, whole, groups_per_rank=(2, 1), rank=1)
+    assert step.local_rows(torch.arange(6)).tolist() == [4, 5]
+    kept = step.trained()
+    assert kept.groups_per_rank == (1, 1) and kept.whole.batch.prompt_ids.flatten().tolist() == [2, 3, 4, 5]
+    assert kept.local_rows(kept.whole.batch.prompt_ids.flatten()).tolist() == [4, 5]
 
 
 def test_dynamic_sampling_took_extra_rounds_and_dropped_groups(runs):
@@ -184,25 +203,19 @@ def test_the_top_entropy_threshold_is_over_every_ranks_ith_micro_batch(runs):
     assert unequal and moved  # both situations occurred, so the checks above meant something
 
 
-def test_a_sampler_wrapper_must_declare_data_parallel(tmp_path, monkeypatch):
+def test_fsdp_refuses_a_group_filter(tmp_path, monkeypatch):
     from grpo_engine.sampling.dynamic import DynamicSampling
-
-    class OneProcessOnly(DynamicSampling):
-        data_parallel = False
 
     monkeypatch.setattr(World, "current", classmethod(lambda cls: cls(rank=0, size=2)))
     tokenizer = _dp_run.char_tokenizer()
-    with pytest.raises(ValueError, match="OneProcessOnly does not declare data_parallel = True"):
-        _dp_run.GRPOTrainer(_dp_run.tiny_llama(len(tokenizer)), [_dp_run.DigitShare()],
-                            [_dp_run.Prompt("1+1=", "2"), _dp_run.Prompt("1+2=", "3")],
-                            _dp_run.GRPOConfig(prompts_per_step=2, output_dir=str(tmp_path)),
-                            tokenizer=tokenizer, sampler=OneProcessOnly())
     with pytest.raises(ValueError, match="sharding='fsdp' does not take a sampler that drops groups"):
         _dp_run.GRPOTrainer(_dp_run.tiny_llama(len(tokenizer)), [_dp_run.DigitShare()],
                             [_dp_run.Prompt("1+1=", "2"), _dp_run.Prompt("1+2=", "3")],
                             _dp_run.GRPOConfig(prompts_per_step=2, output_dir=str(tmp_path)),
                             tokenizer=tokenizer, sampler=DynamicSampling(),
                             memory=_dp_run.MemoryPlan(sharding="fsdp"))
+
+
 RUN_FILE = """
 model: {model}
 train_prompts: {{function: grpo_engine.data.load_jsonl_prompts, path: {data}, question_field: q, answer_field: a}}

@@ -72,7 +72,7 @@ def test_an_overflowing_reward_skips_the_step_and_stops_the_run_before_any_nan_i
 
 
 def test_a_nan_log_prob_skips_the_update_and_names_the_row(tmp_path, monkeypatch):
-    import grpo_engine.trainer as trainer_module
+    import grpo_engine.gradients as trainer_module
 
     trainer = trainer_for(tmp_path, max_nonfinite_steps=2)
     real = trainer_module.completion_logprobs

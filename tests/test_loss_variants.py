@@ -503,7 +503,7 @@ def test_call_validation(fn):
     with pytest.raises(ValueError, match=rf"{name}: num_valid_tokens=0 must be >= 1"):
         call(fn, leaf([[0.0]]), [[1]], [1.0], ref=torch.zeros(1, 1), truncated=[False], counts=(0, 1))
     if name == "ClippedSurrogate":
-        with pytest.raises(ValueError, match=r"mask_truncated=True needs batch.is_truncated"):
+        with pytest.raises(ValueError, match=r"mask_truncated=True needs is_truncated"):
             call(fn, leaf([[0.0]]), [[1]], [1.0], counts=(1, 1))
     else:
         with pytest.raises(ValueError, match=rf"{name}: kl_coef=0.1 needs batch.ref_logprobs"):

@@ -357,7 +357,7 @@ class Raw:
             RewardError,
             r"non-finite scores at samples \[1\]",
         ),
-        (torch.zeros(4), math.nan, ValueError, r"reward 'raw' has weight=nan"),
+        (torch.zeros(4), math.nan, ValueError, r"reward 'raw': weight=nan must be a finite real number"),
     ],
 )
 def test_weighted_sum_checks_what_rewards_return(result, weight, error, pattern):

@@ -8,7 +8,7 @@ import torch
 from grpo_engine.advantages import EntropyScaled, GroupNormalized, MeanBaseline
 from grpo_engine.entropy import SemanticEntropy, cluster_answers, semantic_entropy, sequence_log_likelihood
 from grpo_engine.protocols import AdvantageFn, EntropyEstimator
-from grpo_engine.types import Prompt, RewardOutput, RolloutBatch
+from grpo_engine.types import Prompt, Requirements, RewardOutput, RolloutBatch
 
 LN = math.log
 HALVES = ("<answer>1/2</answer>", "<answer>0.5</answer>", r"so \boxed{\frac{1}{2}}", "<answer>3</answer>")
@@ -138,8 +138,8 @@ def test_likelihood_hand_case_probabilities_point_eight_and_point_two():
 
 
 def test_likelihood_mode_without_sampler_logprobs_names_the_fix():
-    assert SemanticEntropy(mode="likelihood").requires_sampler_logprobs
-    assert not SemanticEntropy().requires_sampler_logprobs
+    assert SemanticEntropy(mode="likelihood").requires.sampler_logprobs
+    assert not SemanticEntropy().requires.sampler_logprobs
     with pytest.raises(ValueError, match=r"HFSampler\(return_logprobs=True\)"):
         SemanticEntropy(mode="likelihood")(make_batch([HALVES]), zeros(1, 4))
 
@@ -281,7 +281,7 @@ def test_one_trainer_step_scales_the_advantages_by_the_semantic_entropy(tmp_path
         seen["rewards"] = rewards.total
         return seen["u"]
 
-    estimator.requires_sampler_logprobs = False  # the EntropyEstimator protocol's one attribute
+    estimator.requires = Requirements()  # the EntropyEstimator protocol's one attribute
 
     def advantage(rewards, *, uncertainty=None):
         seen["advantages"] = EntropyScaled()(rewards, uncertainty=uncertainty)

@@ -1,5 +1,6 @@
 """Token-entropy means and the high-entropy ("80/20 forking tokens") mask, alone and in the loss."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -90,25 +91,21 @@ def test_high_entropy_mask_takes_the_threshold_over_a_given_pool():
                        high_entropy_mask(ent, ONES5, 0.75))
 
 
-def test_the_loss_gathers_the_valid_tokens_left_after_its_filters():
-    """With ``mask_truncated`` the truncated row's entropies never reach the pool; the threshold is the
-    pool's (here: the other rank's 4.0 and 5.0 lift it above every local token but 3.0)."""
+def test_the_loss_pools_the_valid_tokens_left_after_its_filters():
+    """With ``mask_truncated`` the truncated row's entropies never reach its share of the pool; the
+    threshold is the pool's (here: another rank's 4.0 and 5.0 lift it above every local token but 3.0)."""
     fn = ClippedSurrogate(aggregation="token", top_entropy_quantile=0.5, mask_truncated=True)
-    assert fn.requires.micro_batch_gather and not ClippedSurrogate().requires.micro_batch_gather
-    sent = []
-
-    def gather(values):
-        sent.append(values)
-        return torch.cat([values, torch.tensor([4.0, 5.0], dtype=values.dtype)])
-
+    assert fn.requires.entropy_pool and not ClippedSurrogate().requires.entropy_pool
     ent = torch.tensor([[1.0, 3.0], [9.0, 9.0], [2.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True], [True, True], [True, False]])
     batch = MicroBatch(mask, torch.ones(3, dtype=torch.float64), is_truncated=torch.tensor([False, True, False]),
-                       entropy=ent, gather=gather)
+                       entropy=ent)
+    share = fn.pooled_entropy(batch)
+    assert share.tolist() == [1.0, 3.0, 2.0]  # row 1 (truncated) left out
+    batch = dataclasses.replace(batch, entropy_pool=torch.cat([share, torch.tensor([4.0, 5.0], dtype=share.dtype)]))
     lp = leaf([[0.0, 0.0]] * 3)
     out = fn(lp, batch, num_valid_tokens=3, num_sequences=2)
     out.loss.backward()
-    assert [v.tolist() for v in sent] == [[1.0, 3.0, 2.0]]  # one call, row 1 (truncated) left out
     # pool 1, 2, 3, 4, 5: median 3 -> only H = 3.0 keeps its policy term (-1/3 each kept token)
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1 / 3], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64),
                                rtol=0, atol=1e-12)
@@ -216,7 +213,7 @@ def test_validation_and_missing_entropy():
     with pytest.raises(ValueError, match=r"entropy shape \(1, 2\) must equal logprobs shape \(1, 1\)"):
         call(fn, leaf([[0.0]]), [[True]], [1.0], entropy=torch.zeros(1, 2))
     both = ClippedSurrogate(entropy_coef=0.1, top_entropy_quantile=0.2)
-    with pytest.raises(ValueError, match=r"entropy_coef=0.1 and top_entropy_quantile=0.2 needs"):
+    with pytest.raises(ValueError, match=r"top_entropy_quantile=0.2 and entropy_coef=0.1 needs batch.entropy"):
         call(both, leaf([[0.0]]), [[True]], [1.0])
 
 

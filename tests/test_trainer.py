@@ -225,13 +225,13 @@ def test_the_first_training_pass_records_the_sampling_policys_logprobs(tmp_path)
 def test_several_updates_run_no_separate_old_logprob_pass(tmp_path):
     trainer = make_trainer(tmp_path, updates_per_batch=3)
     passes, seen = _count_logprob_passes(trainer), []
-    real = trainer.compute_gradients
+    real = trainer._gradient_pass
 
     def spy(batch, advantages, **kwargs):
         seen.append((kwargs["old_logprobs"], kwargs["record_logprobs"]))
         return real(batch, advantages, **kwargs)
 
-    trainer.compute_gradients = spy
+    trainer._gradient_pass = spy
     trainer.step()
     assert passes == [] and len(seen) == 3
     (old1, record1), (old2, record2), (old3, record3) = seen
@@ -362,7 +362,7 @@ def test_temperature_control_and_curriculum_are_told_about_every_group(tmp_path)
     # every group collapsed (one cluster, accuracy 0): +0.1 per step, clipped at 1.05
     assert [m["temperature"] for m in temps] == pytest.approx([0.9, 1.0, 1.05])
     assert all(m["entropy/collapsed_fraction"] == 1.0 for m in temps)
-    assert trainer.sampler.temperature == pytest.approx(1.05)
+    assert trainer.temperature == pytest.approx(1.05)
     assert sum(curriculum.stats(i).visits for i in range(len(PROMPTS))) == 6  # 3 steps x 2 groups
     with pytest.raises(ValueError, match="AdaptiveTemperature needs per-group semantic entropy"):
         make_trainer(tmp_path, components={"callbacks": [AdaptiveTemperature()]})

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from grpo_engine.data.loaders import DataError, data_error
+from grpo_engine.data.records import to_prompts
+from grpo_engine.data.stream import PromptStream
+from grpo_engine.protocols import PromptSource
 from grpo_engine.types import Prompt
 
-__all__ = ["Overlong", "check_prompts"]
+__all__ = ["Overlong", "check_prompts", "training_prompts"]
 
 Overlong = Literal["truncate", "drop", "error"]
 
@@ -73,6 +76,33 @@ def check_prompts(
                       f"{max_prompt_tokens} (overlong_prompts='drop'; first: {long[0][0].location}, {long[0][1]} "
                       "tokens)", stacklevel=3)
     return kept
+
+
+def training_prompts(prompts: Any, check_targets: Callable[[Sequence[Prompt]], list[str]],
+                     prompt_length: Callable[[Prompt], int], *, max_prompt_tokens: int, overlong: Overlong,
+                     batch_size: int, seed: int) -> PromptSource:
+    """The prompt source of a run, once every prompt passed :func:`check_prompts`.
+
+    Args:
+        prompts: ``Prompt`` records, dicts or a ``datasets.Dataset`` (served by a seeded
+            :class:`PromptStream` of ``batch_size``), or a ``PromptSource`` (checked as it is).
+        check_targets, prompt_length, max_prompt_tokens, overlong: as :func:`check_prompts`.
+
+    Raises:
+        DataError: a bad record (see :func:`check_prompts`).
+        ValueError: ``overlong="drop"`` would drop prompts of a ``PromptSource``, which cannot lose any.
+    """
+    source = prompts if isinstance(prompts, PromptSource) else None
+    given = list(source.prompts) if source is not None else to_prompts(prompts, name="prompts")
+    kept = check_prompts(given, check_targets, prompt_length=prompt_length, max_prompt_tokens=max_prompt_tokens,
+                         overlong=overlong)
+    if source is None:
+        return PromptStream(kept, batch_size, seed=seed)
+    if len(kept) != len(given):
+        raise ValueError(f"overlong_prompts='drop' would drop {len(given) - len(kept)} prompts of the "
+                         f"{type(source).__name__} given, which cannot lose prompts once built; pass the prompts "
+                         "as a list, or filter them before building it")
+    return source
 
 
 def _warn_duplicates(prompts: Sequence[Prompt]) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from grpo_engine.ops.answers import answers_equal, final_answer
-from grpo_engine.types import RewardOutput, RolloutBatch
+from grpo_engine.types import Requirements, RewardOutput, RolloutBatch
 
 __all__ = ["SemanticEntropy", "cluster_answers", "semantic_entropy", "sequence_log_likelihood"]
 
@@ -187,9 +187,9 @@ class SemanticEntropy:
             raise ValueError(f"SemanticEntropy: correct_threshold={thr!r} must be a number, e.g. 1.0")
 
     @property
-    def requires_sampler_logprobs(self) -> bool:
-        """True in the likelihood mode: the sampler must report ``sampler_logprobs``."""
-        return self.mode == "likelihood"
+    def requires(self) -> Requirements:
+        """The sampler's log-probs in the likelihood mode (``batch.sampler_logprobs``)."""
+        return Requirements(sampler_logprobs=self.mode == "likelihood")
 
     def cluster_ids(self, batch: RolloutBatch) -> Tensor:
         """[B, G] long cluster id of each completion within its group (see :func:`cluster_answers`)."""

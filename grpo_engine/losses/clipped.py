@@ -7,10 +7,11 @@ detached current log-probs when ``batch.old_logprobs`` is None, so the ratio is 
     loss      = aggregate(policy · weights + penalties)           (losses/aggregation.py)
 
 The clip is asymmetric when ε_high != ε_low ("Clip-Higher", DAPO, arXiv 2503.14476); δ (off by
-default) caps the unclipped ratio (INTELLECT-2, arXiv 2505.07291). The terms (losses/terms.py):
-token filters (``mask_truncated``), surrogate weights (``tis_cap``, ``top_entropy_quantile``) and
-per-token penalties (``kl_coef``: k3 KL to the reference as in GRPO, arXiv 2402.03300;
-``entropy_coef``: entropy bonus), given as keyword arguments or as ``terms``. Computation is in
+default) caps the unclipped ratio (INTELLECT-2, arXiv 2505.07291). The terms (losses/terms.py): row
+filters (``mask_truncated``), then loss terms in order: surrogate weights (``tis_cap``,
+``top_entropy_quantile``) and per-token penalties (``kl_coef``: k3 KL to the reference as in GRPO,
+arXiv 2402.03300; ``entropy_coef``: entropy bonus), from keyword arguments or ``terms``, a user's
+``LossTerm`` / ``RowFilter`` included. Computation is in
 float32 (float64 for float64 inputs); padded positions never reach arithmetic. docs/algorithms.md
 compares it with TRL and verl.
 """
@@ -26,11 +27,11 @@ from torch import Tensor
 from grpo_engine.losses import _common as common
 from grpo_engine.losses.aggregation import AGGREGATIONS, Aggregation, aggregate
 from grpo_engine.losses.terms import EntropyBonus, HighEntropyTokens, KLPenalty, MaskTruncated, TruncatedIS
-from grpo_engine.types import LossOutput, MicroBatch, Requirements
+from grpo_engine.ops.tokens import valid_values
+from grpo_engine.protocols import LossTerm, RowFilter
+from grpo_engine.types import LossOutput, MicroBatch, Requirements, TokenLoss
 
 __all__ = ["ClippedSurrogate"]
-
-_FILTERS, _WEIGHTS, _PENALTIES = (MaskTruncated,), (TruncatedIS, HighEntropyTokens), (KLPenalty, EntropyBonus)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class ClippedSurrogate:
         tis_cap: cap of the truncated importance weight π_old / π_sampler (a :class:`TruncatedIS`).
         top_entropy_quantile: ρ in [0, 1]: the policy term on the top-ρ entropy tokens only
             (a :class:`HighEntropyTokens` term); None is off.
-        terms: further terms, composed after those the keyword arguments make.
+        terms: further ``RowFilter`` and ``LossTerm`` objects (``grpo_engine.protocols``), yours
+            included, composed after those the keyword arguments make.
 
     Example:
         >>> from grpo_engine.types import MicroBatch
@@ -93,41 +95,35 @@ class ClippedSurrogate:
             problems.append(f"delta={self.delta!r} must be > 1 + clip_eps_high = {1 + self.clip_eps_high}; pass a "
                             "larger cap (INTELLECT-2 uses 4) or None")
         problems.extend(common.check_kl_estimator(self.kl_estimator))
-        terms: list[Any] = []
+        made: list[Any] = []
         try:
-            terms += [MaskTruncated()] if self.mask_truncated else []
-            terms += [TruncatedIS(self.tis_cap)] if self.tis_cap is not None else []
-            terms += [HighEntropyTokens(self.top_entropy_quantile)] if self.top_entropy_quantile is not None else []
-            terms += [KLPenalty(self.kl_coef, self.kl_estimator)] if self.kl_coef > 0 and not problems else []
-            terms += [EntropyBonus(self.entropy_coef)] if self.entropy_coef > 0 else []
+            made += [MaskTruncated()] if self.mask_truncated else []
+            made += [TruncatedIS(self.tis_cap)] if self.tis_cap is not None else []
+            made += [HighEntropyTokens(self.top_entropy_quantile)] if self.top_entropy_quantile is not None else []
+            made += [KLPenalty(self.kl_coef, self.kl_estimator)] if self.kl_coef > 0 and not problems else []
+            made += [EntropyBonus(self.entropy_coef)] if self.entropy_coef > 0 else []
         except ValueError as error:
             problems.append(str(error))
-        unknown = [t for t in self.terms if not isinstance(t, _FILTERS + _WEIGHTS + _PENALTIES)]
+        unknown = [t for t in self.terms if not isinstance(t, (RowFilter, LossTerm))]
         if unknown:
-            problems.append(f"terms {unknown!r} are not loss terms; use MaskTruncated, TruncatedIS, "
-                            "HighEntropyTokens, KLPenalty or EntropyBonus (grpo_engine.losses.terms)")
+            problems.append(f"terms {unknown!r} are neither a RowFilter (keep_rows) nor a LossTerm (called on a "
+                            "TokenLoss), each with `requires` (grpo_engine.protocols)")
         if problems:
             raise ValueError("invalid ClippedSurrogate: " + "; ".join(problems))
-        terms += list(self.terms)
-        object.__setattr__(self, "_filters", tuple(t for t in terms if isinstance(t, _FILTERS)))
-        object.__setattr__(self, "_weights", tuple(t for t in terms if isinstance(t, _WEIGHTS)))
-        object.__setattr__(self, "_penalties", tuple(t for t in terms if isinstance(t, _PENALTIES)))
+        made += list(self.terms)
+        object.__setattr__(self, "_filters", tuple(t for t in made if isinstance(t, RowFilter)))
+        object.__setattr__(self, "_terms", tuple(t for t in made if not isinstance(t, RowFilter)))
 
     @property
     def requires(self) -> Requirements:
-        """What the terms need: reference log-probs (KL), sampler log-probs (TIS), the entropy (bonus,
-        high-entropy tokens); rows with advantage 0 matter when a term does not scale with A; the
-        high-entropy threshold is taken over every rank's micro-batch (``micro_batch_gather``)."""
-        terms = self._filters + self._weights + self._penalties
-        return Requirements(ref_logprobs=any(t.requires.ref_logprobs for t in terms),
-                            sampler_logprobs=any(t.requires.sampler_logprobs for t in terms),
-                            entropy=any(t.requires.entropy for t in terms),
-                            zero_advantage_rows=any(t.requires.zero_advantage_rows for t in terms),
-                            micro_batch_gather=any(t.requires.micro_batch_gather for t in terms))
+        """What the filters and terms need: reference log-probs (KL), sampler log-probs (TIS), the
+        entropy (bonus, high-entropy tokens) and its pool over every rank (high-entropy tokens); rows
+        with advantage 0 matter when a term does not scale with A."""
+        return Requirements.union([t.requires for t in self._filters + self._terms])
 
     def counts(self, completion_mask: Tensor, is_truncated: Tensor | None = None) -> tuple[int, int]:
         """Step-global ``(num_valid_tokens, num_sequences)``: every valid token and row, less the rows a
-        token filter drops (``(0, 0)`` when it drops them all: the step trains nothing).
+        row filter drops (``(0, 0)`` when it drops them all: the step trains nothing).
 
         Example:
             >>> mask = torch.tensor([[True, True], [True, False]])
@@ -140,6 +136,11 @@ class ClippedSurrogate:
             keep = rows if keep is None else keep & rows
         return common.step_counts(completion_mask, keep)
 
+    def pooled_entropy(self, batch: MicroBatch) -> Tensor:
+        """[k] the detached entropies of the tokens that count (after the row filters), this micro-batch's
+        share of ``MicroBatch.entropy_pool`` (``PooledEntropyLoss``)."""
+        return valid_values(batch.entropy, self._mask(batch))
+
     def __call__(self, logprobs: Tensor, batch: MicroBatch, *, num_valid_tokens: int,
                  num_sequences: int) -> LossOutput:
         """Loss of one micro-batch, already divided by the step-global count.
@@ -148,7 +149,7 @@ class ClippedSurrogate:
             logprobs: [n, C] log π_θ of the sampled completion tokens, with gradient.
             batch: the micro-batch (``completion_mask``, ``advantages``; ``old_logprobs`` or None;
                 what the terms need: ``ref_logprobs``, ``is_truncated``, ``entropy``,
-                ``sampler_logprobs``).
+                ``sampler_logprobs``, ``entropy_pool``).
             num_valid_tokens, num_sequences: the step's counts (>= 1), from :meth:`counts`.
 
         Returns:
@@ -159,51 +160,42 @@ class ClippedSurrogate:
             ValueError: counts < 1, mismatched shapes, or an input a term needs is missing.
         """
         self._check(logprobs, batch, num_valid_tokens, num_sequences)
-        mask = batch.completion_mask.to(torch.bool)
-        for term in self._filters:
-            mask = term.filter(mask, batch)
+        mask = self._mask(batch)
         logp, old, adv = common.policy_inputs(logprobs, batch, mask)
         ratio = common.safe_exp(logp - old)  # the log-ratio clamped at ±20: no inf, no NaN gradient
         clipped_ratio = ratio.clamp(1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high)
         capped_ratio = ratio if self.delta is None else ratio.clamp(max=self.delta)
         unclipped_obj, clipped_obj = capped_ratio * adv, clipped_ratio * adv
-        policy = -torch.minimum(unclipped_obj, clipped_obj)  # [n, C]
         clipped = clipped_obj < unclipped_obj
         if self.delta is not None:
             clipped = clipped | ((ratio > self.delta) & (adv != 0))
-        metrics: dict[str, Tensor] = {}
-        for term in self._weights:
-            policy, clipped, extra = term.apply(policy, clipped, logp, old, mask, batch, num_valid_tokens)
-            metrics.update(extra)
-        token_loss = policy
-        for term in self._penalties:
-            values, extra = term.tokens(logp, mask, batch, num_valid_tokens)
-            token_loss = token_loss + values
-            metrics.update(extra)
+        tokens = TokenLoss(mask=mask, logprobs=logp, old_logprobs=old, clipped=clipped,
+                           policy=-torch.minimum(unclipped_obj, clipped_obj), penalty=torch.zeros_like(logp),
+                           num_valid_tokens=num_valid_tokens)
+        for term in self._terms:
+            tokens = term(tokens, batch)
         counts = dict(num_valid_tokens=num_valid_tokens, num_sequences=num_sequences,
                       max_completion_tokens=self.max_completion_tokens)
-        loss = aggregate(token_loss, mask, self.aggregation, **counts)
-        metrics["policy_loss"] = aggregate(policy, mask, self.aggregation, **counts).detach()
-        metrics["clip_fraction"] = (clipped & mask).sum().to(logp.dtype) / num_valid_tokens
+        loss = aggregate(tokens.policy + tokens.penalty, mask, self.aggregation, **counts)
+        metrics = dict(tokens.metrics)
+        metrics["policy_loss"] = aggregate(tokens.policy, mask, self.aggregation, **counts).detach()
+        metrics["clip_fraction"] = (tokens.clipped & mask).sum().to(logp.dtype) / num_valid_tokens
         return LossOutput(loss=loss, metrics=metrics)
 
+    def _mask(self, batch: MicroBatch) -> Tensor:
+        """[n, C] the tokens that count: the completion mask less the rows a filter drops."""
+        mask = batch.completion_mask.to(torch.bool)
+        for term in self._filters:
+            mask = mask & term.keep_rows(batch.is_truncated).to(mask.device)[:, None]
+        return mask
+
     def _check(self, logprobs: Tensor, batch: MicroBatch, num_valid_tokens: int, num_sequences: int) -> None:
-        """Raises ValueError naming every bad input of one call."""
-        extra = []
-        if self.requires.sampler_logprobs and batch.sampler_logprobs is None:
-            extra.append(f"tis_cap={self.tis_cap} needs batch.sampler_logprobs [n, C], which is None; use a "
-                         "sampler that reports log-probs (HFSampler does) or set tis_cap=None")
-        if self._filters and batch.is_truncated is None:
-            extra.append("mask_truncated=True needs batch.is_truncated, which is None; "
-                         "pass the [n] truncation flags or set mask_truncated=False")
-        if self.requires.entropy and batch.entropy is None:
-            users = [f"entropy_coef={t.coef}" for t in self._penalties if isinstance(t, EntropyBonus)]
-            users += [f"top_entropy_quantile={t.quantile}" for t in self._weights if isinstance(t, HighEntropyTokens)]
-            extra.append(f"{' and '.join(users)} needs batch.entropy [n, C], which is missing; compute token "
-                         "entropies (completion_logprobs(..., with_entropy=True)) or turn the option off")
-        elif self.requires.entropy and tuple(batch.entropy.shape) != tuple(logprobs.shape):
-            extra.append(f"entropy shape {tuple(batch.entropy.shape)} must equal logprobs shape "
-                         f"{tuple(logprobs.shape)}; pass one entropy per completion token")
-        kl = next((t.coef for t in self._penalties if isinstance(t, KLPenalty)), 0.0)
-        common.check_call("ClippedSurrogate", logprobs, batch, num_valid_tokens, num_sequences, kl_coef=kl,
+        """Raises ValueError naming every bad input of one call: the loss's own, and what each term
+        declares it needs (``Requirements.missing``)."""
+        shape, needs = tuple(logprobs.shape), {}
+        for term in self._terms:
+            for problem in term.requires.missing(batch, shape):
+                needs.setdefault(problem, []).append(str(term))
+        extra = [f"{' and '.join(terms)} {problem}" for problem, terms in needs.items()]
+        common.check_call("ClippedSurrogate", logprobs, batch, num_valid_tokens, num_sequences, kl_coef=0.0,
                           extra=extra)

@@ -1,13 +1,15 @@
 """Composable terms of :class:`~grpo_engine.losses.ClippedSurrogate`, each a small frozen record.
 
-A term changes one thing, in this order: a **token filter** narrows which tokens count (and the
-step counts), a **surrogate weight** rescales or masks the policy term of each token, a **penalty**
-adds a per-token value to the loss before the aggregation. Each declares what it needs
-(:class:`~grpo_engine.types.Requirements`). The terms: :class:`MaskTruncated` (DAPO's overlong
-filtering), :class:`TruncatedIS` (truncated importance sampling against the sampler's log-probs),
-:class:`HighEntropyTokens` (the policy term on the top-ρ entropy tokens only, arXiv 2506.01939),
-:class:`KLPenalty` (β · a KL estimator to the reference, GRPO's) and :class:`EntropyBonus`
-(-c · token entropy). Padded positions never reach arithmetic.
+A **row filter** (``RowFilter``: ``keep_rows``) drops whole completions from the loss and from the
+step counts. A **loss term** (``LossTerm``: called on a :class:`~grpo_engine.types.TokenLoss`, returns
+a new one) changes the per-token loss after the clip: a surrogate weight rescales or masks the policy
+term of each token, a penalty adds to each token's loss before the aggregation. Each declares what it
+needs (:class:`~grpo_engine.types.Requirements`); the loss checks that the micro-batch carries it.
+The terms: :class:`MaskTruncated` (DAPO's overlong filtering), :class:`TruncatedIS` (truncated
+importance sampling against the sampler's log-probs), :class:`HighEntropyTokens` (the policy term on
+the top-ρ entropy tokens only, arXiv 2506.01939), :class:`KLPenalty` (β · a KL estimator to the
+reference, GRPO's) and :class:`EntropyBonus` (-c · token entropy). Padded positions never reach
+arithmetic.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from torch import Tensor
 from grpo_engine.losses._common import masked, safe_exp
 from grpo_engine.losses.aggregation import token_share
 from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator
-from grpo_engine.ops.tokens import high_entropy_mask, valid_values
-from grpo_engine.types import MicroBatch, Requirements
+from grpo_engine.ops.tokens import high_entropy_mask
+from grpo_engine.types import MicroBatch, Requirements, TokenLoss
 
 __all__ = ["MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "EntropyBonus", "kl_tokens"]
 
@@ -35,22 +37,19 @@ def kl_tokens(name: str, logp: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Te
 
 @dataclass(frozen=True)
 class MaskTruncated:
-    """Token filter: a completion without EOS (``batch.is_truncated``) adds nothing to loss, gradient or
+    """Row filter: a completion without EOS (``is_truncated``) adds nothing to loss, gradient or
     metrics, and leaves both step counts (DAPO's overlong filtering)."""
 
     requires = Requirements(zero_advantage_rows=False)
 
-    def filter(self, mask: Tensor, batch: MicroBatch) -> Tensor:
-        if batch.is_truncated is None:
-            raise ValueError("mask_truncated needs batch.is_truncated, which is None; pass the [n] truncation "
-                             "flags or drop the MaskTruncated term")
-        return mask & ~batch.is_truncated.to(device=mask.device, dtype=torch.bool)[:, None]
+    def __str__(self) -> str:
+        return "mask_truncated=True"
 
     def keep_rows(self, is_truncated: Tensor | None) -> Tensor:
-        """[N] rows that count in the step."""
+        """[N] rows that count: those that ended with EOS."""
         if is_truncated is None:
-            raise ValueError("ClippedSurrogate.counts: mask_truncated=True needs is_truncated [N]; "
-                             "pass batch.is_truncated")
+            raise ValueError("mask_truncated=True needs is_truncated (the truncation flags), which is None; pass "
+                             "batch.is_truncated, or drop the MaskTruncated term")
         return ~is_truncated.to(torch.bool)
 
 
@@ -65,25 +64,26 @@ class TruncatedIS:
         if not self.cap > 0:
             raise ValueError(f"tis_cap={self.cap!r} must be > 0; use e.g. 2.0, or None to turn it off")
 
+    def __str__(self) -> str:  # how errors name it: the setting that made it
+        return f"tis_cap={self.cap}"
+
     @property
     def requires(self) -> Requirements:
         return Requirements(sampler_logprobs=True, zero_advantage_rows=False)
 
-    def apply(self, policy: Tensor, clipped: Tensor, logp: Tensor, old: Tensor, mask: Tensor, batch: MicroBatch,
-              num_valid_tokens: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        if batch.sampler_logprobs is None:
-            raise ValueError(f"tis_cap={self.cap} needs batch.sampler_logprobs [n, C], which is None; use a "
-                             "sampler that reports log-probs (HFSampler does) or set tis_cap=None")
-        sampler = masked(batch.sampler_logprobs.detach(), mask, logp.dtype)
-        weight = safe_exp(old - sampler).clamp(max=self.cap)
-        return policy * weight, clipped, {"tis_weight": token_share(weight, mask, num_valid_tokens)}
+    def __call__(self, tokens: TokenLoss, batch: MicroBatch) -> TokenLoss:
+        sampler = masked(batch.sampler_logprobs.detach(), tokens.mask, tokens.logprobs.dtype)
+        weight = safe_exp(tokens.old_logprobs - sampler).clamp(max=self.cap)
+        share = token_share(weight, tokens.mask, tokens.num_valid_tokens)
+        return tokens.replace(policy=tokens.policy * weight, metrics={"tis_weight": share})
 
 
 @dataclass(frozen=True)
 class HighEntropyTokens:
-    """Surrogate weight: the policy term only on the micro-batch's valid tokens in the top ``quantile``
-    fraction by (detached) entropy, 0 elsewhere; counts unchanged (metric ``high_entropy_fraction``).
-    Under torchrun the threshold is over this micro-batch of every rank (``MicroBatch.gather``)."""
+    """Surrogate weight: the policy term only on the valid tokens in the top ``quantile`` fraction by
+    (detached) entropy, 0 elsewhere; counts unchanged (metric ``high_entropy_fraction``). The
+    threshold is over ``batch.entropy_pool`` when given (under torchrun: this micro-batch of every
+    rank), else over this micro-batch's valid tokens."""
 
     quantile: float
 
@@ -92,16 +92,20 @@ class HighEntropyTokens:
             raise ValueError(f"top_entropy_quantile={self.quantile!r} must be in [0, 1] (the fraction of tokens "
                              "kept); the paper uses 0.2, None turns it off")
 
+    def __str__(self) -> str:  # how errors name it: the setting that made it
+        return f"top_entropy_quantile={self.quantile}"
+
     @property
     def requires(self) -> Requirements:  # rows with A = 0 move the quantile: they must be run
-        return Requirements(entropy=True, zero_advantage_rows=True, micro_batch_gather=True)
+        return Requirements(entropy=True, zero_advantage_rows=True, entropy_pool=True)
 
-    def apply(self, policy: Tensor, clipped: Tensor, logp: Tensor, old: Tensor, mask: Tensor, batch: MicroBatch,
-              num_valid_tokens: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        among = batch.gather(valid_values(batch.entropy, mask)) if batch.gather is not None else None
-        high = high_entropy_mask(batch.entropy.detach(), mask, self.quantile, among=among)
-        policy = torch.where(high, policy, torch.zeros((), dtype=logp.dtype, device=logp.device))
-        return policy, clipped & high, {"high_entropy_fraction": high.sum().to(logp.dtype) / num_valid_tokens}
+    def __call__(self, tokens: TokenLoss, batch: MicroBatch) -> TokenLoss:
+        high = high_entropy_mask(batch.entropy.detach(), tokens.mask, self.quantile, among=batch.entropy_pool)
+        dtype = tokens.logprobs.dtype
+        policy = torch.where(high, tokens.policy, torch.zeros((), dtype=dtype, device=high.device))
+        fraction = high.sum().to(dtype) / tokens.num_valid_tokens
+        return tokens.replace(policy=policy, clipped=tokens.clipped & high,
+                              metrics={"high_entropy_fraction": fraction})
 
 
 @dataclass(frozen=True)
@@ -116,16 +120,20 @@ class KLPenalty:
         if not self.coef > 0:
             raise ValueError(f"kl_coef={self.coef!r} must be > 0 for a KL term; drop the term to turn it off")
         if not (isinstance(self.estimator, str) and self.estimator in KL_ESTIMATORS):
-            raise ValueError(f"kl_estimator={self.estimator!r} is not one of {tuple(KL_ESTIMATORS)}; pick one of them")
+            raise ValueError(f"kl_estimator={self.estimator!r} is not one of {tuple(KL_ESTIMATORS)}; pick one "
+                             "of them")
+
+    def __str__(self) -> str:  # how errors name it: the setting that made it
+        return f"kl_coef={self.coef}"
 
     @property
     def requires(self) -> Requirements:
         return Requirements(ref_logprobs=True, zero_advantage_rows=True)
 
-    def tokens(self, logp: Tensor, mask: Tensor, batch: MicroBatch,
-               num_valid_tokens: int) -> tuple[Tensor, dict[str, Tensor]]:
-        kl = kl_tokens(self.estimator, logp, batch.ref_logprobs, mask)
-        return self.coef * kl, {"kl": token_share(kl, mask, num_valid_tokens).detach()}
+    def __call__(self, tokens: TokenLoss, batch: MicroBatch) -> TokenLoss:
+        kl = kl_tokens(self.estimator, tokens.logprobs, batch.ref_logprobs, tokens.mask)
+        share = token_share(kl, tokens.mask, tokens.num_valid_tokens).detach()
+        return tokens.replace(penalty=tokens.penalty + self.coef * kl, metrics={"kl": share})
 
 
 @dataclass(frozen=True)
@@ -139,11 +147,14 @@ class EntropyBonus:
         if not self.coef > 0:
             raise ValueError(f"entropy_coef={self.coef!r} must be > 0 for a bonus; drop the term to turn it off")
 
+    def __str__(self) -> str:  # how errors name it: the setting that made it
+        return f"entropy_coef={self.coef}"
+
     @property
     def requires(self) -> Requirements:
         return Requirements(entropy=True, zero_advantage_rows=True)
 
-    def tokens(self, logp: Tensor, mask: Tensor, batch: MicroBatch,
-               num_valid_tokens: int) -> tuple[Tensor, dict[str, Tensor]]:
-        entropy = masked(batch.entropy, mask, logp.dtype)
-        return -self.coef * entropy, {"entropy": token_share(entropy, mask, num_valid_tokens).detach()}
+    def __call__(self, tokens: TokenLoss, batch: MicroBatch) -> TokenLoss:
+        entropy = masked(batch.entropy, tokens.mask, tokens.logprobs.dtype)
+        share = token_share(entropy, tokens.mask, tokens.num_valid_tokens).detach()
+        return tokens.replace(penalty=tokens.penalty - self.coef * entropy, metrics={"entropy": share})

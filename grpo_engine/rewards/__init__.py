@@ -13,6 +13,7 @@ from grpo_engine.rewards.function import FunctionReward
 from grpo_engine.rewards.kl_penalty import KLRewardPenalty
 from grpo_engine.rewards.length import OverlongPenalty
 from grpo_engine.rewards.math import MathAccuracy, answers_equal, extract_answer, final_answer, last_number
+from grpo_engine.rewards.runner import RewardRunner, RewardTimeout, trainer_runner
 
 __all__ = [
     "BoxedFormat",
@@ -22,10 +23,13 @@ __all__ = [
     "OverlongPenalty",
     "Reward",
     "RewardError",
+    "RewardRunner",
+    "RewardTimeout",
     "ThinkAnswerFormat",
     "WeightedSum",
     "answers_equal",
     "extract_answer",
     "final_answer",
     "last_number",
+    "trainer_runner",
 ]

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from grpo_engine.types import Prompt
 
-__all__ = ["Reward", "RewardError"]
+__all__ = ["Reward", "RewardError", "check_weight", "check_scores"]
 
 _EXCERPT_CHARS = 60
 
@@ -42,17 +42,32 @@ def excerpt(text: Any, limit: int = _EXCERPT_CHARS) -> str:
     return repr(text)
 
 
-def _check_weight(weight: Any, owner: str) -> float:
-    if (
-        isinstance(weight, bool)
-        or not isinstance(weight, numbers.Real)
-        or not math.isfinite(weight)
-    ):
+def check_weight(weight: Any, owner: str) -> float:
+    """``weight`` as a float, or ValueError naming ``owner``: a reward's weight is a finite real number."""
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
         raise ValueError(
             f"{owner}: weight={weight!r} must be a finite real number; "
             "pass for example weight=1.0 (or 0.0 to log a reward without training on it)"
         )
     return float(weight)
+
+
+def check_scores(name: str, scores: Tensor, prompts: Sequence[Prompt], completions: Sequence[str], *,
+                 allows_none: bool = False) -> Tensor:
+    """``scores`` [N] when every one is finite (NaN allowed, meaning "does not apply", when
+    ``allows_none``); else RewardError naming the reward, the samples and the first one's excerpts."""
+    finite = torch.isfinite(scores)
+    if allows_none:
+        finite |= torch.isnan(scores)
+    bad = torch.nonzero(~finite).flatten().tolist()
+    if bad:
+        first = bad[0]
+        raise RewardError(
+            f"reward {name!r} returned {scores[first].item()!r} (float) on sample {first} (non-finite scores at "
+            f"samples {bad[:8]}); a score must be a finite real number (return a float, e.g. 0.0); "
+            f"question={excerpt(prompts[first].question)}, completion={excerpt(completions[first])}"
+        )
+    return scores
 
 
 class Reward:
@@ -83,7 +98,7 @@ class Reward:
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         cls_name = type(self).__name__
-        self.weight = _check_weight(weight, cls_name)
+        self.weight = check_weight(weight, cls_name)
         if name is None:
             name = type(self).name
         if not isinstance(name, str) or not name.strip():
@@ -156,7 +171,8 @@ class Reward:
             scores = self._score_overridden_batch(prompts, completions)
         for i, value in enumerate(scores):
             self._check_value(i, value, prompts[i], completions[i])
-        return torch.tensor([float(v) for v in scores], dtype=torch.float32)
+        return check_scores(self.name, torch.tensor([float(v) for v in scores], dtype=torch.float32), prompts,
+                            completions)
 
     def _score_one(self, index: int, prompt: Prompt, completion: str) -> Any:
         try:
@@ -188,8 +204,7 @@ class Reward:
         return scores
 
     def _check_value(self, index: int, value: Any, prompt: Prompt, completion: str) -> None:
-        ok = isinstance(value, numbers.Real) and math.isfinite(value)
-        if not ok:
+        if not isinstance(value, numbers.Real):
             raise RewardError(
                 f"reward {self.name!r} returned {value!r} ({type(value).__name__}) on sample {index}; "
                 f"a score must be a finite real number (return a float, e.g. 0.0); "

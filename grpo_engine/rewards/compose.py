@@ -17,9 +17,6 @@ is kept apart: :meth:`WeightedSum.transform` applies it once the log-probs :attr
 
 from __future__ import annotations
 
-import math
-import numbers
-import threading
 from collections.abc import Sequence
 from typing import Literal, get_args
 
@@ -28,15 +25,15 @@ from torch import Tensor
 
 from grpo_engine.ops.groups import group_zscore
 from grpo_engine.protocols import RewardFn, RewardTransform
-from grpo_engine.rewards.base import RewardError
+from grpo_engine.rewards.base import RewardError, check_weight
 from grpo_engine.rewards.function import FunctionReward
+from grpo_engine.rewards.runner import RewardRunner, RewardTimeout
 from grpo_engine.types import Prompt, Requirements, RewardOutput, RolloutBatch
 
-__all__ = ["WeightedSum", "RewardTimeout"]
+__all__ = ["WeightedSum", "RewardTimeout", "RewardRunner"]
 
 
-class RewardTimeout(RewardError):
-    """A reward did not return within the per-batch timeout."""
+Normalize = Literal["after_sum", "each"]
 
 
 def _as_reward(reward: object) -> object:
@@ -44,37 +41,6 @@ def _as_reward(reward: object) -> object:
     if callable(reward) and not hasattr(reward, "weight") and not hasattr(reward, "score_rollout"):
         return FunctionReward(reward)
     return reward
-
-
-def _within(run, timeout_s: float | None, name: str, n: int):
-    """``run()``, in a worker thread when ``timeout_s`` is set; raises :class:`RewardTimeout` after it
-    (the thread cannot be stopped: it finishes, or not, in the background)."""
-    if timeout_s is None:
-        return run()
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = run()
-        except BaseException as exc:  # handed to the caller below
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise RewardTimeout(f"reward {name!r} did not return within {timeout_s:g} s on a batch of {n} completions "
-                            "(it keeps running in the background); make it faster, raise "
-                            "GRPOConfig.reward_timeout_s, or set on_reward_error='zero' to score such batches 0")
-    if "error" in box:
-        error = box["error"]
-        if isinstance(error, RewardError):
-            raise error
-        raise RewardError(f"reward {name!r} raised {type(error).__name__}: {error}") from error
-    return box["value"]
-
-Normalize = Literal["after_sum", "each"]
-
 
 
 class WeightedSum:
@@ -87,6 +53,9 @@ class WeightedSum:
             texts; that method is then the one used.
         normalize: ``"after_sum"`` sums the raw scores; ``"each"`` group-z-scores each reward's
             scores before the weighted sum (see the module docstring).
+        timeout_s, on_error: how this combination runs its rewards (a :class:`RewardRunner`); unset,
+            the trainer's ``GRPOConfig.reward_timeout_s`` and ``on_reward_error`` apply (setting both,
+            differently, is refused), and a call outside a trainer runs without a limit and raises.
 
     Example:
         >>> from grpo_engine.rewards import MathAccuracy, OverlongPenalty, ThinkAnswerFormat
@@ -97,7 +66,7 @@ class WeightedSum:
     """
 
     def __init__(self, rewards: Sequence[RewardFn | RewardTransform], *, normalize: Normalize = "after_sum",
-                 timeout_s: float | None = None, on_error: Literal["raise", "zero"] = "raise") -> None:
+                 timeout_s: float | None = None, on_error: Literal["raise", "zero"] | None = None) -> None:
         self.transforms: tuple[RewardTransform, ...] = tuple(r for r in rewards if isinstance(r, RewardTransform))
         rewards = tuple(_as_reward(r) for r in rewards if not isinstance(r, RewardTransform))
         if not rewards:
@@ -119,15 +88,7 @@ class WeightedSum:
                     f"WeightedSum: {reward!r} is not a RewardFn (a callable with a non-empty str "
                     "`name` and a float `weight`); subclass grpo_engine.rewards.Reward"
                 )
-            if (
-                isinstance(weight, bool)
-                or not isinstance(weight, numbers.Real)
-                or not math.isfinite(weight)
-            ):
-                raise ValueError(
-                    f"WeightedSum: reward {name!r} has weight={weight!r}; "
-                    "a weight must be a finite real number, e.g. 1.0"
-                )
+            check_weight(weight, f"WeightedSum: reward {name!r}")
             if name in seen:
                 raise ValueError(
                     f"WeightedSum: two rewards are named {name!r} ({seen[name]!r} and {reward!r}); "
@@ -137,15 +98,7 @@ class WeightedSum:
             seen[name] = reward
         self.rewards: tuple[RewardFn, ...] = rewards
         self.normalize: Normalize = normalize
-        if on_error not in ("raise", "zero"):
-            raise ValueError(f"WeightedSum: on_error={on_error!r} must be 'raise' (stop the run) or 'zero' (score a "
-                             "failing sample 0 and count it in reward/<name>/errors)")
-        self.timeout_s, self.on_error = timeout_s, on_error
-
-    def configured(self, *, timeout_s: float | None, on_error: str) -> WeightedSum:
-        """The same rewards and transforms with another timeout and error policy."""
-        return WeightedSum([*self.rewards, *self.transforms], normalize=self.normalize, timeout_s=timeout_s,
-                           on_error=on_error)
+        self.runner = None if timeout_s is None and on_error is None else RewardRunner(timeout_s, on_error or "raise")
 
     def check(self, prompts: Sequence[Prompt]) -> list[str]:
         """Every problem the rewards find with the prompts' targets (``Reward.check``), one line each,
@@ -171,8 +124,7 @@ class WeightedSum:
     @property
     def requires(self) -> Requirements:
         """The log-probs the transforms need (old, reference) before :meth:`transform`."""
-        return Requirements(old_logprobs=any(t.requires.old_logprobs for t in self.transforms),
-                            ref_logprobs=any(t.requires.ref_logprobs for t in self.transforms))
+        return Requirements.union([t.requires for t in self.transforms])
 
     def transform(self, rewards: RewardOutput, batch: RolloutBatch, *, old_logprobs: Tensor | None = None,
                   ref_logprobs: Tensor | None = None) -> RewardOutput:
@@ -181,11 +133,13 @@ class WeightedSum:
             rewards = t.transform(rewards, batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
         return rewards
 
-    def __call__(self, batch: RolloutBatch) -> RewardOutput:
+    def __call__(self, batch: RolloutBatch, runner: RewardRunner | None = None) -> RewardOutput:
         """Scores a batch.
 
         Args:
             batch: N = B * G completions with their prompts.
+            runner: calls each reward (time limit, error policy); default: this combination's own
+                (``timeout_s``, ``on_error``), else ``RewardRunner()`` (no limit, a failure raises).
 
         Returns:
             ``total`` [B, G] float32, the weighted sum (of raw or of group-z-scored scores, per
@@ -202,11 +156,12 @@ class WeightedSum:
                 f"WeightedSum(normalize='each'): group_size={g} makes every group-z-scored reward 0; "
                 "use group_size >= 2, or normalize='after_sum'"
             )
+        runner = runner or self.runner or RewardRunner()
         total = torch.zeros(b, g, dtype=torch.float32)
         breakdown: dict[str, Tensor] = {}
         errors: dict[str, int] = {}
         for reward in self.rewards:
-            scores, errors[reward.name] = self._scores(reward, batch)
+            scores, errors[reward.name] = runner.scores(reward, batch)
             scores = scores.to(device=total.device, dtype=torch.float32).view(b, g)
             breakdown[reward.name] = scores
             if self.normalize == "each":
@@ -216,55 +171,3 @@ class WeightedSum:
                 scores = group_zscore(scores, 1e-6, "WeightedSum")
             total = total + float(reward.weight) * scores.nan_to_num(nan=0.0)  # None: left out of the sum
         return RewardOutput(total=total, breakdown=breakdown, errors=errors)
-
-    def _scores(self, reward: RewardFn, batch: RolloutBatch) -> tuple[Tensor, int]:
-        """[N] checked scores of one reward and how many samples failed (``on_error="zero"``: scored 0)."""
-        n = batch.num_completions
-        score_rollout = getattr(reward, "score_rollout", None)
-        run = (lambda: score_rollout(batch)) if callable(score_rollout) else (
-            lambda: reward(batch.row_prompts, batch.texts))
-        try:
-            return self._checked(reward, _within(run, self.timeout_s, reward.name, n), n), 0
-        except RewardError as error:
-            if self.on_error == "raise":
-                raise
-            if isinstance(error, RewardTimeout) or callable(score_rollout):
-                return torch.zeros(n), n  # nothing to keep: the whole batch scores 0
-        scores, failed = torch.zeros(n), 0  # one failing sample: score the others one by one
-        for i in range(n):
-            try:
-                one = _within(lambda i=i: reward([batch.row_prompts[i]], [batch.texts[i]]), self.timeout_s,
-                              reward.name, 1)
-                scores[i] = self._checked(reward, one, 1)[0]
-            except RewardError:
-                failed += 1
-        return scores, failed
-
-    @staticmethod
-    def _checked(reward: RewardFn, scores: object, n: int) -> Tensor:
-        name = reward.name
-        if not isinstance(scores, Tensor):
-            raise RewardError(
-                f"reward {name!r} returned {type(scores).__name__}; a RewardFn must return a "
-                f"float tensor of shape [N]=[{n}] (torch.tensor(scores, dtype=torch.float32))"
-            )
-        if tuple(scores.shape) != (n,):
-            raise RewardError(
-                f"reward {name!r} returned shape {tuple(scores.shape)}; expected [N]=[{n}], "
-                "one score per completion (flatten it, and score batch.row_prompts/batch.texts)"
-            )
-        if not scores.is_floating_point():
-            raise RewardError(
-                f"reward {name!r} returned dtype {scores.dtype}; expected a floating dtype "
-                "(torch.float32); convert with .float()"
-            )
-        finite = torch.isfinite(scores)
-        if getattr(reward, "allows_none", False):
-            finite |= torch.isnan(scores)  # None: the reward does not apply to that sample
-        bad = torch.nonzero(~finite).flatten()
-        if bad.numel():
-            raise RewardError(
-                f"reward {name!r} returned non-finite scores at samples {bad[:8].tolist()} "
-                f"(values {scores[bad[:8]].tolist()}); a reward must return finite numbers"
-            )
-        return scores

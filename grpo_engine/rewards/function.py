@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_engine.rewards.base import RewardError, _check_weight, excerpt
+from grpo_engine.rewards.base import RewardError, check_weight, excerpt
 from grpo_engine.types import Prompt
 
 __all__ = ["FunctionReward"]
@@ -48,7 +48,7 @@ class FunctionReward:
         if not callable(fn):
             raise TypeError(f"FunctionReward needs a function, got {type(fn).__name__}")
         self.fn = fn
-        self.weight = _check_weight(weight, "FunctionReward")
+        self.weight = check_weight(weight, "FunctionReward")
         self.name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
         if not isinstance(self.name, str) or not self.name.strip() or self.name == "<lambda>":
             raise ValueError(f"FunctionReward: name={self.name!r} cannot key the logs; pass name='my_reward'")
@@ -71,15 +71,13 @@ class FunctionReward:
             raise RewardError(f"reward {self.name!r} returned {len(scores)} scores for {len(completions)} "
                               "completions; return one score (or None) per completion")
         out = []
-        for i, value in enumerate(scores):
-            if value is None:
-                out.append(math.nan)
-            elif isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        for i, value in enumerate(scores):  # None is "does not apply"; a NaN the function computed is an error
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not math.isfinite(value)):
                 raise RewardError(f"reward {self.name!r} returned {value!r} for sample {i} (completion="
                                   f"{excerpt(completions[i])}); return a finite number, or None when it does "
                                   "not apply")
-            else:
-                out.append(float(value))
+            out.append(math.nan if value is None else float(value))
         return torch.tensor(out, dtype=torch.float32)
 
 

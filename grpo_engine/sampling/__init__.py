@@ -2,9 +2,8 @@
 LoRA merged while sampling); DAPO's dynamic sampling."""
 
 from grpo_engine.sampling.decode import sample_categorical
-from grpo_engine.sampling.dynamic import DynamicSampling, concat_rollouts, select_groups
+from grpo_engine.sampling.dynamic import DynamicSampling
 from grpo_engine.sampling.hf import HFSampler, completion_mask_from_ids
 from grpo_engine.sampling.merge import merged_lora
 
-__all__ = ["HFSampler", "completion_mask_from_ids", "DynamicSampling", "concat_rollouts", "select_groups",
-           "merged_lora", "sample_categorical"]
+__all__ = ["HFSampler", "completion_mask_from_ids", "DynamicSampling", "merged_lora", "sample_categorical"]

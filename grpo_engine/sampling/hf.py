@@ -37,7 +37,7 @@ from grpo_engine.sampling.decode import (
 )
 from grpo_engine.sampling.merge import check_mergeable, merged_lora
 from grpo_engine.sampling.static import decode_static, supports_static
-from grpo_engine.types import Prompt, RolloutBatch
+from grpo_engine.types import Draws, Prompt, RolloutBatch
 
 __all__ = ["HFSampler", "eos_token_ids", "DECODING_PATHS", "resolve_decoding"]
 
@@ -118,7 +118,8 @@ class HFSampler:
         template: renders a Prompt to text; defaults to the chat template when the tokenizer has one.
         max_prompt_tokens: a longer prompt loses the middle of its question (:meth:`truncated`).
         max_completion_tokens: sampling stops here.
-        temperature, top_p, top_k: sampling settings (top_p=1 and top_k=0 are off).
+        temperature: the default sampling temperature (a ``sample()`` call may pass another).
+        top_p, top_k: sampling settings (top_p=1 and top_k=0 are off).
         return_logprobs: also report the sampled tokens' log-probs (costs one log-softmax per step).
         share_prompt: prefill each distinct prompt once and repeat its KV cache across the group
             (falls back to a prefill per row for models whose cache cannot be repeated).
@@ -128,10 +129,10 @@ class HFSampler:
         decoding: ``"auto"``, ``"dynamic"``, ``"static"``, ``"compiled"`` or ``"cuda_graph"`` (see
             the module docstring and :func:`resolve_decoding`).
 
-    Each ``sample()`` call takes one number from torch's global RNG (so ``torch.manual_seed`` fixes the
-    samples) and seeds its token draws with it, each step drawing for every row of the call. Under data
-    parallel, ``place = (first, total)`` says where this rank's prompts sit among the ``total`` prompts
-    all ranks sample in this call, so K ranks draw the tokens one process draws for all of them.
+    Each ``sample()`` call seeds its token draws with ``draws.seed`` (by default one number taken
+    from torch's global RNG, so ``torch.manual_seed`` fixes the samples), each step drawing for every
+    row of the call; a row's draw is keyed by its place among the rows of ``draws.total_prompts``
+    (under data parallel, every rank's share of the call), so K ranks draw what one process draws.
 
     After each ``sample()`` call, ``last_decoding`` holds the path that ran (and, if a CUDA graph
     could not be captured, why), and ``last_clock`` the prefill / decode times (``seconds()``).
@@ -171,7 +172,6 @@ class HFSampler:
         if decoding not in DECODING_PATHS:
             raise ValueError(f"decoding={decoding!r} is not one of {', '.join(DECODING_PATHS)}; use 'auto'")
         self.decoding = decoding
-        self.place: tuple[int, int] | None = None  # (first prompt, prompts of all ranks) of the next call
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
         self.last_decoding: dict = {}  # the last call's decoding path ("path"), and a CUDA-graph capture error
         self.last_truncated, self._warned_truncation = 0, False  # prompts cut to max_prompt_tokens
@@ -230,10 +230,15 @@ class HFSampler:
         return ids, mask
 
     @torch.no_grad()
-    def sample(self, prompts: Sequence[Prompt], *, group_size: int) -> RolloutBatch:
-        """Draws ``group_size`` completions per prompt; rows ``b*G .. b*G+G-1`` belong to prompt b."""
+    def sample(self, prompts: Sequence[Prompt], *, group_size: int, temperature: float | None = None,
+               draws: Draws | None = None) -> RolloutBatch:
+        """Draws ``group_size`` completions per prompt at ``temperature`` (default: the sampler's);
+        rows ``b*G .. b*G+G-1`` belong to prompt b. ``draws``: the seed and place of the call's token
+        draws (default: seeded from torch's global RNG, these prompts alone)."""
         if not prompts:
             raise ValueError("sample() got no prompts; pass at least one Prompt")
+        temperature = self.temperature if temperature is None else temperature
+        draws = draws if draws is not None else Draws.seeded()
         device = next(self.model.parameters()).device
         ids, mask = self.encode_prompts(prompts)
         ids, mask = ids.to(device), mask.to(device)
@@ -249,20 +254,19 @@ class HFSampler:
                     args = (self.model, ids if shared else prompt_ids, mask if shared else prompt_mask)
                     self.last_clock = PhaseClock(device)
                     self.last_clock.mark("start")
-                    first, total = self.place if self.place is not None else (0, len(prompts))
                     kwargs = dict(repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
-                                  eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw(),
-                                  clock=self.last_clock, row_offset=first * group_size, total_rows=total * group_size)
+                                  eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw(temperature),
+                                  clock=self.last_clock, row_offset=draws.first_prompt * group_size,
+                                  total_rows=draws.total(len(prompts)) * group_size)
                     self.last_decoding = {"path": path, "capture_error": None}
-                    seed = self.call_seed()  # the call's draws depend on it alone
-                    with seeded_rng(seed, device):
+                    with seeded_rng(draws.seed, device):  # the call's draws depend on it alone
                         if path == "dynamic":
                             completion_ids, logprobs = decode(*args, **kwargs)
                         else:
                             completion_ids, logprobs = decode_static(
                                 *args, **kwargs, mode="eager" if path == "static" else path, info=self.last_decoding)
                 else:
-                    completion_ids, logprobs = self._generate(prompt_ids, prompt_mask)
+                    completion_ids, logprobs = self._generate(prompt_ids, prompt_mask, temperature)
         finally:
             self.model.train(was_training)
         completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_ids)
@@ -277,26 +281,20 @@ class HFSampler:
             texts=texts, sampler_logprobs=logprobs, metrics={"prompts/truncated": float(self.last_truncated)},
         )
 
-    @staticmethod
-    def call_seed() -> int:
-        """The number a sampling call takes from torch's global RNG to seed its draws; a rank with no
-        prompts in a data-parallel call takes it too, to stay in step with the others."""
-        return int(torch.randint(0, 2**62, ()))
+    def token_draw(self, temperature: float) -> TokenDraw:
+        """The token draw of the sampler's settings at ``temperature``."""
+        return TokenDraw(temperature=temperature, top_k=self.top_k, top_p=self.top_p, logprobs=self.return_logprobs)
 
-    def token_draw(self) -> TokenDraw:
-        """The token draw of the current settings (the temperature may change between steps)."""
-        return TokenDraw(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                         logprobs=self.return_logprobs)
-
-    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor, temperature: float) -> tuple[Tensor, Tensor | None]:
         """Completion ids [N, C] and log-probs from the model's own ``generate()`` (a model that is not
         a transformers causal LM)."""
-        recorder = _TemperatureRecorder(self.temperature, prompt_ids.shape[1], record=self.return_logprobs)
+        recorder = _TemperatureRecorder(temperature, prompt_ids.shape[1], record=self.return_logprobs)
         config = GenerationConfig(
             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=self.max_completion_tokens,
             eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
         )
         sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                                         generation_config=config,
-                                        logits_processor=LogitsProcessorList([recorder, *self.token_draw().warpers]))
+                                        logits_processor=LogitsProcessorList([recorder,
+                                                                              *self.token_draw(temperature).warpers]))
         return sequences[:, prompt_ids.shape[1]:], recorder.finish(sequences) if self.return_logprobs else None

@@ -1,0 +1,181 @@
+"""Stage 5 of a step: the micro-batched loss and backward, normalised by the step-global counts.
+
+The loss's counts (``GRPOLoss.counts``) are taken on the whole step, over every rank. The rows that
+count are every row, or only those with a non-zero advantage when the loss allows it
+(``Requirements.zero_advantage_rows=False``); the strategy may run more (FSDP2 runs them all). They
+are cut into micro-batches of ``micro_batch_size`` completions; each is one forward of the policy
+(log-probs, and the token entropy from the same chunked pass), the loss divided by the step's counts,
+and one backward. Summing the micro-batch losses gives exactly the gradient of one big batch. A pass
+returns what it found: the loss metrics summed over micro-batches and ranks, and the rows whose
+log-probs were not finite (for the guard's message). The logged ``entropy/token_mean`` is the mean
+over the tokens of the rows that count, whatever the strategy runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from grpo_engine.distributed import DataParallel
+from grpo_engine.logprobs import completion_logprobs
+from grpo_engine.memory.apply import activation_offload, autocast, trainable_parameters
+from grpo_engine.memory.plan import MemoryPlan
+from grpo_engine.ops.tokens import token_entropy_mean
+from grpo_engine.protocols import GRPOLoss, PooledEntropyLoss
+from grpo_engine.types import MicroBatch, RolloutBatch
+
+__all__ = ["GradientPass", "PolicyGradient"]
+
+
+@dataclass(frozen=True)
+class GradientPass:
+    """What one gradient pass found.
+
+    Attributes:
+        metrics: the step's loss and loss metrics (summed over micro-batches and ranks), every key
+            seen so far included (0 where this step had none).
+        finite_rows: (rows [n], whether each row's log-probs were finite [n]) of each micro-batch, on
+            the device (read only when something went wrong: reading them synchronises).
+    """
+
+    metrics: dict[str, float]
+    finite_rows: tuple[tuple[Tensor, Tensor], ...] = ()
+
+    def nonfinite_rows(self) -> list[int]:
+        """The rows whose log-probs were not finite in the training forward."""
+        return [int(r) for rows, finite in self.finite_rows for r in rows[~finite.cpu()].tolist()]
+
+
+class PolicyGradient:
+    """Fills ``.grad`` of the policy's trainable parameters with the gradient of a step's loss.
+
+    Args:
+        model: the policy.
+        loss: the objective (its ``requires`` decides the inputs and the rows).
+        memory: micro-batch size, log-prob chunking, precision and activation offload.
+        parallel: the strategy (counts, gradients and metrics summed over ranks; the rows run).
+        log_entropy: compute the token entropy for the ``entropy/token_mean`` metric even when the
+            loss does not need it.
+    """
+
+    def __init__(self, model: nn.Module, loss: GRPOLoss, memory: MemoryPlan, parallel: DataParallel, *,
+                 log_entropy: bool) -> None:
+        if loss.requires.entropy_pool and not isinstance(loss, PooledEntropyLoss):
+            raise ValueError(f"{type(loss).__name__} declares Requirements(entropy_pool=True) but has no "
+                             "pooled_entropy(batch) method; implement it (grpo_engine.protocols.PooledEntropyLoss)")
+        self.model, self.loss, self.memory, self.parallel = model, loss, memory, parallel
+        self.with_entropy = loss.requires.entropy or log_entropy
+        self.share_prompt = memory.share_prompt and parallel.share_prompt
+
+    def __call__(self, batch: RolloutBatch, advantages: Tensor, *, temperature: float,
+                 old_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
+                 record_logprobs: Tensor | None = None, metric_keys: Sequence[str] = ("loss",)) -> GradientPass:
+        """One pass over ``batch`` (see the module docstring).
+
+        Args:
+            batch: the rollout batch (this rank's rows).
+            advantages: [N] one advantage per completion.
+            temperature: the sampling temperature, at which the log-probs are computed.
+            old_logprobs: [N, C] log-probs of the sampling policy, or None (on-policy).
+            ref_logprobs: [N, C] reference log-probs, when the loss needs them.
+            record_logprobs: an [N, C] float32 CPU tensor, or None; when given, the detached log-probs
+                of the rows run are written into it (before the optimizer step: the sampling policy's).
+            metric_keys: metric names to report even when no row of the step ran.
+        """
+        world = self.parallel.world
+        num_tokens, num_sequences = (int(c) for c in world.sum(self.loss.counts(batch.completion_mask,
+                                                                                 batch.is_truncated)))
+        counted = self.counted_rows(advantages, trains=bool(num_tokens and num_sequences))
+        counts = torch.zeros(advantages.shape[0], dtype=torch.bool)
+        counts[counted] = True
+        entropy_tokens = max(1, int(world.sum([batch.completion_mask[counted].sum()])[0]))
+        run = self.parallel.rows_to_run(counted, advantages.shape[0]) if counted.numel() else counted
+        micro_batches = list(run.split(self.memory.micro_batch_size)) if run.numel() else []
+        pooled = self.loss.requires.entropy_pool
+        missing = int(world.max([len(micro_batches)])[0]) - len(micro_batches) if pooled else 0
+        sums: dict[str, Tensor | float] = dict.fromkeys(metric_keys, 0.0)
+        if self.with_entropy:
+            sums.setdefault("entropy/token_mean", 0.0)  # over the rows that count
+        finite: list[tuple[Tensor, Tensor]] = []
+        self.model.train()
+        try:
+            for idx in micro_batches:
+                step = dict(temperature=temperature, num_tokens=num_tokens, num_sequences=num_sequences)
+                found, rows_finite = self._micro_step(batch, idx, advantages, old_logprobs, ref_logprobs,
+                                                      record_logprobs, counts[idx], entropy_tokens, **step)
+                for key, value in found.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                finite.append((idx, rows_finite))
+            for _ in range(missing):  # this rank has no i-th micro-batch: it joins the others' pools with nothing
+                world.cat(torch.zeros(0))
+        finally:
+            self.model.eval()
+        self.parallel.reduce_gradients(trainable_parameters(self.model))
+        return GradientPass(self.parallel.summed_metrics(sums), tuple(finite))
+
+    def counted_rows(self, advantages: Tensor, *, trains: bool = True) -> Tensor:
+        """The rows that can change the gradient: every row, or those with a non-zero advantage when the
+        loss allows it; none when the step's counts are 0."""
+        rows = torch.arange(advantages.shape[0])
+        if not trains:
+            return rows[:0]
+        return rows if self.loss.requires.zero_advantage_rows else rows[advantages.cpu() != 0]
+
+    def _micro_step(self, batch: RolloutBatch, idx: Tensor, advantages: Tensor, old: Tensor | None,
+                    ref: Tensor | None, record: Tensor | None, counted: Tensor, entropy_tokens: int, *,
+                    temperature: float, num_tokens: int, num_sequences: int) -> tuple[dict[str, Tensor], Tensor]:
+        """Forward, loss and backward of the rows ``idx``; returns their metric shares and whether each
+        row's log-probs are finite [n]. ``counted``: [n] which of the rows count in the entropy metric."""
+        pid, pmask, cid, cmask = batch.trimmed(idx)
+        metrics: dict[str, Tensor] = {}
+        # forward and loss under autocast (mixed precision), backward outside it
+        with activation_offload(self.memory), self._autocast():  # saved tensors to CPU memory, if planned
+            out = completion_logprobs(  # token entropy comes from the same chunked pass
+                self.model, pid, pmask, cid, cmask, temperature=temperature, chunk_size=self.memory.logprob_chunk_size,
+                with_entropy=self.with_entropy, vocab_tile=self.memory.logprob_vocab_tile,
+                entropy_grad=self.loss.requires.entropy, share_prompt=self.share_prompt)
+            logprobs, entropy = out if self.with_entropy else (out, None)
+            if record is not None:
+                record[idx, :cid.shape[1]] = logprobs.detach().float().cpu()
+            finite = torch.where(cmask, logprobs.detach(), 0.0).isfinite().all(1)
+            if entropy is not None:
+                shown = cmask & counted.to(cmask.device)[:, None]
+                metrics["entropy/token_mean"] = token_entropy_mean(entropy.detach(), shown, entropy_tokens)
+            micro = self._micro_batch(batch, idx, cmask, advantages, old, ref, entropy)
+            out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=num_sequences)
+        out.loss.backward()
+        metrics["loss"] = out.loss.detach()  # summed on the device: one host sync per step, not per micro-batch
+        metrics.update({key: value.detach() for key, value in out.metrics.items()})
+        return metrics, finite
+
+    def _micro_batch(self, batch: RolloutBatch, idx: Tensor, mask: Tensor, advantages: Tensor, old: Tensor | None,
+                     ref: Tensor | None, entropy: Tensor | None) -> MicroBatch:
+        """The loss's view of the rows ``idx`` (columns cut to ``mask``'s width), with what it asked for;
+        the entropy pool gathered over the i-th micro-batch of every rank."""
+        width, device, requires = mask.shape[1], mask.device, self.loss.requires
+        cut = lambda values: values[idx, :width].to(device) if values is not None else None  # noqa: E731
+        micro = MicroBatch(completion_mask=mask, advantages=advantages[idx].to(device), old_logprobs=cut(old),
+                           ref_logprobs=cut(ref), is_truncated=batch.is_truncated[idx].to(device),
+                           entropy=entropy if requires.entropy else None, sampler_logprobs=cut(batch.sampler_logprobs))
+        if not requires.entropy_pool:
+            return micro
+        pool = self.parallel.world.cat(self.loss.pooled_entropy(micro))
+        return dataclasses.replace(micro, entropy_pool=pool)
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, model: nn.Module, temperature: float) -> Tensor:
+        """[N, C] log-probs of the batch under ``model`` without gradient, micro-batch by micro-batch."""
+        out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
+        for idx in torch.arange(batch.num_completions).split(self.memory.micro_batch_size):
+            pid, pmask, cid, cmask = batch.trimmed(idx)
+            out[idx, :cid.shape[1]] = completion_logprobs(
+                model, pid, pmask, cid, cmask, temperature=temperature, chunk_size=self.memory.logprob_chunk_size,
+                vocab_tile=self.memory.logprob_vocab_tile, share_prompt=self.share_prompt).cpu()
+        return out
+
+    def _autocast(self):
+        return autocast(self.memory, next(self.model.parameters()).device)
