@@ -23,7 +23,7 @@ from grpo_engine.types import Prompt, RewardOutput, RolloutBatch
 
 GRPOTrainer = Any  # the trainer calling the event (grpo_engine.trainer imports this module, not the reverse)
 
-__all__ = ["Callback", "TrainerState", "TrainerControl", "HeldOutEval"]
+__all__ = ["Callback", "CallbackList", "TrainerState", "TrainerControl", "HeldOutEval"]
 
 
 @dataclass
@@ -119,6 +119,40 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output when a run resumes."""
+
+
+class CallbackList:
+    """A run's callbacks, each event called on every one in order, with the trainer, its state and its
+    control (the user's callbacks first, then the logging backends, so these see every metric)."""
+
+    def __init__(self, callbacks: Sequence[Callback], trainer: GRPOTrainer, state: TrainerState,
+                 control: TrainerControl) -> None:
+        self.callbacks, self.trainer, self.state, self.control = list(callbacks), trainer, state, control
+
+    def on_init(self) -> None:
+        for callback in self.callbacks:
+            callback.on_init(self.trainer, self.state, self.control)
+
+    def on_train_start(self) -> None:
+        for callback in self.callbacks:
+            callback.on_train_start(self.trainer, self.state, self.control)
+
+    def on_rollout(self, *, batch: RolloutBatch, rewards: RewardOutput, uncertainty: Tensor | None) -> None:
+        for callback in self.callbacks:
+            callback.on_rollout(self.trainer, self.state, self.control, batch=batch, rewards=rewards,
+                                uncertainty=uncertainty)
+
+    def on_step_end(self, *, metrics: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            callback.on_step_end(self.trainer, self.state, self.control, metrics=metrics)
+
+    def on_save(self, *, path: Any) -> None:
+        for callback in self.callbacks:
+            callback.on_save(self.trainer, self.state, self.control, path=path)
+
+    def on_train_end(self) -> None:
+        for callback in self.callbacks:
+            callback.on_train_end(self.trainer, self.state, self.control)
 
 
 class HeldOutEval(Callback):

@@ -28,7 +28,36 @@ from grpo_engine.ops.tokens import token_entropy_mean
 from grpo_engine.protocols import GRPOLoss, PooledEntropyLoss
 from grpo_engine.types import MicroBatch, RolloutBatch
 
-__all__ = ["GradientPass", "PolicyGradient"]
+__all__ = ["GradientPass", "PolicyGradient", "OldLogprobs"]
+
+
+@dataclass(frozen=True)
+class OldLogprobs:
+    """Where the sampling policy's log-probs come from, decided once when the trainer is built.
+
+    Attributes:
+        separate_pass: a no-grad pass before training (the loss or a reward transform asks for them,
+            or ``updates_per_batch > 1`` with LoRA dropout, whose training forward is noisier).
+        recorded: ``updates_per_batch > 1`` without a separate pass: the first update's forward,
+            before any optimizer step, records them for the later updates.
+        to_loss: the loss sees them (``updates_per_batch > 1``, or it asks); else it is on-policy.
+
+    Example:
+        >>> OldLogprobs.plan(updates_per_batch=2, exact_forward=True, asked_by_loss=False, asked=False)
+        OldLogprobs(separate_pass=False, recorded=True, to_loss=True)
+    """
+
+    separate_pass: bool
+    recorded: bool
+    to_loss: bool
+
+    @staticmethod
+    def plan(*, updates_per_batch: int, exact_forward: bool, asked_by_loss: bool, asked: bool) -> OldLogprobs:
+        """``exact_forward``: a training forward computes the sampling policy's log-probs exactly (no
+        dropout); ``asked_by_loss`` / ``asked``: the loss / anything (loss, reward transforms) asks."""
+        several = updates_per_batch > 1
+        separate = asked or (several and not exact_forward)
+        return OldLogprobs(separate, several and not separate, several or asked_by_loss)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from grpo_engine.types import RewardOutput
 from grpo_engine.world import is_sharded
 
-__all__ = ["NonFiniteError", "nonfinite_advantages", "nonfinite_update", "count_skipped",
-           "nonfinite_parameters"]
+__all__ = ["NonFiniteError", "check_advantages", "nonfinite_advantages", "nonfinite_update", "count_skipped",
+           "check_finite_weights"]
 
 
 class NonFiniteError(RuntimeError):
@@ -31,6 +31,13 @@ class NonFiniteError(RuntimeError):
 def _rows(flags: Tensor, limit: int = 8) -> str:
     rows = flags.nonzero().flatten().tolist()
     return f"{rows[:limit]}{' ...' if len(rows) > limit else ''}"
+
+
+def check_advantages(advantages: Tensor, rewards: RewardOutput, owner: str) -> None:
+    """ValueError naming ``owner`` unless ``advantages`` have the rewards' shape [B, G]."""
+    if tuple(advantages.shape) != tuple(rewards.total.shape):
+        raise ValueError(f"{owner} returned advantages of shape {tuple(advantages.shape)}; an AdvantageFn maps "
+                         f"rewards [B, G]={tuple(rewards.total.shape)} to the same shape")
 
 
 def nonfinite_advantages(rewards: RewardOutput, advantages: Tensor) -> str | None:
@@ -50,13 +57,14 @@ def nonfinite_advantages(rewards: RewardOutput, advantages: Tensor) -> str | Non
     return None
 
 
-def nonfinite_update(metrics: dict[str, float], nonfinite_rows: Sequence[int]) -> str | None:
+def nonfinite_update(metrics: dict[str, float], nonfinite_rows: Callable[[], Sequence[int]]) -> str | None:
     """Why an update must not be applied (its loss, a loss term or the gradient norm is not finite),
-    or None. ``nonfinite_rows``: the rows whose log-probs the training pass found not finite."""
+    or None. ``nonfinite_rows()``: the rows whose log-probs the training pass found not finite (asked
+    only when something is)."""
     terms = [name for name, value in metrics.items() if not math.isfinite(value)]
     if not terms:
         return None
-    rows = list(nonfinite_rows)
+    rows = list(nonfinite_rows())
     where = f"; the log-probs of rows {rows[:8]} are not finite (the model's logits)" if rows else ""
     return f"non-finite {', '.join(terms)}{where}"
 
@@ -82,7 +90,13 @@ def count_skipped(state: Any, problem: str | None, max_in_a_row: int) -> None:
             "checkpoint")
 
 
-def nonfinite_parameters(model: nn.Module) -> list[str]:
-    """The names of the trained parameters (this rank's shards under FSDP2) holding NaN or inf."""
-    return [name for name, p in model.named_parameters()
-            if p.requires_grad and not bool((p.to_local() if is_sharded(p) else p).isfinite().all())]
+def check_finite_weights(model: nn.Module, path: Any, world: Any) -> None:
+    """Refuses (ValueError) to save ``path`` when a trained parameter holds NaN or inf on any rank of
+    ``world`` (a collective: every rank calls it; under FSDP2 each checks its shards)."""
+    bad = [name for name, p in model.named_parameters()
+           if p.requires_grad and not bool((p.to_local() if is_sharded(p) else p).isfinite().all())]
+    count = int(world.sum([len(bad)])[0])
+    if count:
+        first = f" (first: {bad[0]})" if bad else ""
+        raise ValueError(f"refusing to save {path}: {count} trained tensors hold NaN or inf{first}; the last "
+                         "complete checkpoint stays as it was")

@@ -10,14 +10,15 @@ import contextlib
 import json
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from grpo_engine.ops.groups import zero_std_fraction
-from grpo_engine.types import RewardOutput, RolloutBatch
+from grpo_engine.types import RewardOutput, Rollout, RolloutBatch
 
-__all__ = ["MetricsLogger", "StageTimer", "rollout_metrics"]
+__all__ = ["MetricsLogger", "StageTimer", "rollout_metrics", "step_metrics"]
 
 _BAR_KEYS = (("reward", "reward/mean"), ("len", "completion_length/mean"), ("s/step", "time/step_s"))
 
@@ -135,4 +136,23 @@ def rollout_metrics(batch: RolloutBatch, rewards: RewardOutput) -> dict[str, flo
             metrics[f"reward/{name}/none"] = float(scores.numel() - applies.numel())
     for name, count in rewards.errors.items():  # samples scored 0 because their reward failed (on_reward_error)
         metrics[f"reward/{name}/errors"] = float(count)
+    return metrics
+
+
+def step_metrics(whole: Rollout, state: Any, *, loss: dict[str, float], seconds: dict[str, float],
+                 temperature: float, lr: float) -> dict[str, float]:
+    """What a step logs: its rollout's numbers (:func:`rollout_metrics` of the groups trained, every
+    rank's), the sampler's and a group filter's counts, the loss metrics, the stage times, the
+    temperature and learning rate it ran at, and the skipped steps so far. The first step whose groups
+    all tie warns that it cannot change the policy (``state.zero_std_warned``)."""
+    metrics = {**rollout_metrics(whole.batch, whole.rewards), **whole.batch.metrics, **loss, **seconds,
+               "temperature": temperature, "lr": lr, "skipped_steps": float(state.skipped_steps)}
+    if whole.uncertainty is not None:
+        metrics["entropy/semantic_mean"] = whole.uncertainty.float().mean().item()
+    metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
+    if metrics["zero_std_fraction"] == 1.0 and not state.zero_std_warned:
+        state.zero_std_warned = True
+        warnings.warn(f"step {state.step}: every group has identical rewards, so every advantage is 0 and this "
+                      "step does not change the policy. If this persists, make the task easier or the reward "
+                      "denser, or raise group_size / temperature.", stacklevel=3)
     return metrics

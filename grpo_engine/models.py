@@ -1,12 +1,14 @@
-"""Loading a policy and its tokenizer from a local folder or a hub id."""
+"""Loading a policy and its tokenizer from a local folder or a hub id, and preparing it to train."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["load_model"]
+__all__ = ["load_model", "load_policy"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,3 +46,24 @@ def load_model(name_or_path: str | Path, *, dtype: str = "float32", plan=None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def load_policy(model: str | Path | nn.Module, tokenizer: Any, plan: Any, world: Any) -> tuple[nn.Module, Any]:
+    """The policy to train and its tokenizer: ``model`` loaded when it is a folder or hub id, put on this
+    rank's device (``grpo_engine.distributed.place_model``), and prepared by the ``MemoryPlan`` ``plan``
+    (dtype, 4-bit base, LoRA, checkpointing).
+
+    Raises:
+        ValueError: a model object without its tokenizer.
+    """
+    from grpo_engine.distributed import place_model
+    from grpo_engine.memory.apply import prepare_model
+
+    loaded_here = isinstance(model, (str, Path))
+    if loaded_here:
+        model, loaded_tokenizer = load_model(model, plan=plan)
+        tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+    if tokenizer is None:
+        raise ValueError("a model object needs its tokenizer: pass GRPOTrainer(model, ..., tokenizer=tokenizer)")
+    model = place_model(model, world, loaded_here=loaded_here, quantized=plan.quantization is not None)
+    return prepare_model(model, plan), tokenizer

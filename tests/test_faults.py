@@ -32,10 +32,11 @@ from tests.tiny import char_tokenizer, tiny_llama
 
 def trainer_for(tmp_path, rewards=None, max_steps=4, prompts=PROMPTS, **config):
     tok = char_tokenizer()
-    settings = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=max_steps, learning_rate=1e-2,
-                    output_dir=str(tmp_path), progress_bar=False)
-    return GRPOTrainer(tiny_llama(len(tok)), rewards or [DigitShare()], prompts, GRPOConfig(**{**settings, **config}),
-                       MemoryPlan(micro_batch_size=4), tokenizer=tok, template=TEMPLATE)
+    settings = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=max_steps,
+                    learning_rate=1e-2, output_dir=str(tmp_path), progress_bar=False)
+    return GRPOTrainer(tiny_llama(len(tok)), rewards or [DigitShare()], prompts,
+                       GRPOConfig(**{**settings, **config}), MemoryPlan(micro_batch_size=4), tokenizer=tok,
+                       template=TEMPLATE)
 
 
 def weights(trainer):
@@ -63,11 +64,13 @@ def test_an_overflowing_reward_skips_the_step_and_stops_the_run_before_any_nan_i
     trainer = trainer_for(tmp_path, rewards=[Huge()], save_every_steps=1)
     before = weights(trainer)
     with pytest.warns(UserWarning, match="skipped, weights unchanged: advantages are not finite"), \
-            pytest.raises(NonFiniteError, match=r"3 steps in a row were skipped .* resume from the last checkpoint"):
+            pytest.raises(NonFiniteError, match=r"3 steps in a row were skipped .* "
+                                                 r"resume from the last checkpoint"):
         trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer)))
     assert trainer.state.skipped_steps == 3 and not (tmp_path / "final").exists()
-    for checkpoint in tmp_path.glob("checkpoint-*"):  # the skipped steps' checkpoints hold the untouched weights
+    # the skipped steps' checkpoints hold the untouched weights
+    for checkpoint in tmp_path.glob("checkpoint-*"):
         assert finite_files(checkpoint)
 
 
@@ -88,7 +91,8 @@ def test_a_nan_log_prob_skips_the_update_and_names_the_row(tmp_path, monkeypatch
 
     monkeypatch.setattr(trainer_module, "completion_logprobs", poisoned)
     before = weights(trainer)
-    with pytest.warns(UserWarning, match=r"non-finite loss.*the log-probs of rows \[\d+(, \d+)?\] are not finite"):
+    with pytest.warns(UserWarning, match=r"non-finite loss.*the log-probs of rows \[\d+(, \d+)?\] "
+                                         r"are not finite"):
         metrics = trainer.step()  # the first row trained in each micro-batch of 4
     assert metrics["skipped_steps"] == 1.0 and "grad_norm" not in metrics
     assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer)))
@@ -117,7 +121,8 @@ def test_an_advantage_of_the_wrong_shape_is_refused(tmp_path):
         trainer.step()
 
 
-@pytest.mark.parametrize("loss", [ClippedSurrogate(0.2, 0.28, aggregation="token"), CISPO(), GSPO(level="token")],
+@pytest.mark.parametrize("loss", [ClippedSurrogate(0.2, 0.28, aggregation="token"), CISPO(),
+                                  GSPO(level="token")],
                          ids=lambda f: type(f).__name__)
 def test_a_huge_log_ratio_gives_the_exact_gradient_not_nan(loss):
     """exp(90) overflows float32. ClippedSurrogate: the ratio of token 1 is clipped (A > 0), so its
@@ -202,7 +207,8 @@ def test_a_runaway_parse_ends_in_its_worker_whose_memory_is_capped():
         assert pool.verify([("", "1")]) == [(None, "gold")]
         limits = Path(f"/proc/{pool._idle[0].pid}/limits")
         if limits.is_file():
-            line = next(line for line in limits.read_text().splitlines() if line.startswith("Max address space"))
+            line = next(line for line in limits.read_text().splitlines()
+                        if line.startswith("Max address space"))
             assert line.split()[3] == str(2 << 30)
     finally:
         pool.close()
@@ -237,7 +243,8 @@ def test_a_pair_past_the_timeout_has_its_worker_killed_and_replaced(tmp_path, mo
         t0 = time.perf_counter()
         results = pool.verify([("1", "hang"), ("1", "1"), ("2", "3"), ("4", "4")])
         assert results == [(None, "timed out after 1 s"), (True, None), (False, None), (True, None)]
-        assert time.perf_counter() - t0 < 10 and started[0].poll() is not None  # the hanging worker was killed
+        # the hanging worker was killed
+        assert time.perf_counter() - t0 < 10 and started[0].poll() is not None
         assert pool.verify([("5", "5")]) == [(True, None)]
     finally:
         pool.close()
@@ -344,8 +351,10 @@ def test_overlong_prompts_can_be_dropped_or_refused(tmp_path):
                                          r"\(overlong_prompts='drop'; first: prompt 'The start\. x+'\.\.\., "
                                          r"138 tokens\)"):
         assert LONG not in build("drop").prompts.prompts
-    with pytest.raises(DataError, match=r"1 bad record\(s\); overlong_prompts='error': raise max_prompt_tokens.*\n"
-                                        r"  prompt 'The start\. x+'\.\.\.: 138 tokens > max_prompt_tokens=38"):
+    with pytest.raises(DataError, match=r"1 bad record\(s\); overlong_prompts='error': "
+                                        r"raise max_prompt_tokens.*\n"
+                                        r"  prompt 'The start\. x+'\.\.\.: 138 tokens > "
+                                        r"max_prompt_tokens=38"):
         build("error")
 
 
@@ -358,7 +367,8 @@ def test_a_run_file_may_only_import_grpo_engine_and_the_modules_it_lists():
                                               r"listed in 'imports:'.*imports: \[os\]"):
         RunSpec.from_yaml(text)
     assert RunSpec.from_yaml(text + "imports: [os]\n").rewards[0].target == "os.system"
-    assert not trusted("grpo_engine_evil.x", []) and not trusted("osx.y", ["os"]) and trusted("os.path.join", ["os"])
+    assert (not trusted("grpo_engine_evil.x", []) and not trusted("osx.y", ["os"])
+            and trusted("os.path.join", ["os"]))
 
 
 # -- the command line: refusals before anything is written, resume ------------------------------------------
@@ -392,7 +402,8 @@ imports: [tests]
     capsys.readouterr()
     assert main(["train", run_file(3)]) == 2
     assert "already holds a run (metrics.jsonl); continue it with --resume" in capsys.readouterr().err
-    assert (out / "run.yaml").read_bytes() == saved and len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert ((out / "run.yaml").read_bytes() == saved
+            and len((out / "metrics.jsonl").read_text().splitlines()) == 2)
     assert main(["train", run_file(3), "--resume"]) == 2
     assert "config.max_steps was 2, now 3: allow it with" in capsys.readouterr().err
     assert main(["train", run_file(3, "grpo_engine.rewards.BoxedFormat"), "--resume"]) == 2
@@ -400,6 +411,7 @@ imports: [tests]
     assert (out / "run.yaml").read_bytes() == saved
     assert main(["train", run_file(3), "--resume", "--allow-change", "config.max_steps"]) == 0
     assert "resuming from" in capsys.readouterr().out
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(line)["step"]
+            for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert RunSpec.from_yaml(out / "run.yaml").config.max_steps == 3
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
