@@ -50,7 +50,8 @@ def worker_env(**extra: str) -> dict[str, str]:
     """
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1", **extra}
+            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1",
+            **extra}
 
 
 def emit(result: dict) -> None:
@@ -85,7 +86,8 @@ def run_worker(name: str, args: Sequence[str], timeout: float, env: dict[str, st
         start = sink.tell()
         env = {**(env if env is not None else worker_env()), LAUNCHED_AT: repr(time.time())}
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sink, text=True, timeout=timeout, env=env)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sink, text=True, timeout=timeout,
+                                  env=env)
         except subprocess.TimeoutExpired as stopped:
             _append(sink, name, _text(stopped.stdout), "killed: timed out")
             return None, f"{name}: worker timed out after {timeout:.0f} s" + (f" (log: {log})" if log else "")
@@ -187,7 +189,8 @@ def hardware(device: str) -> str:
 def git_commit() -> str | None:
     """The checkout's HEAD commit, None outside git."""
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -224,7 +227,8 @@ def lora_settings(peft_config) -> dict | None:
     if peft_config is None:
         return None
     targets = peft_config.target_modules  # peft resolves "all-linear" to module names: keep their kinds
-    targets = sorted({t.rsplit(".", 1)[-1] for t in targets}) if isinstance(targets, (set, list, tuple)) else targets
+    targets = (sorted({t.rsplit(".", 1)[-1] for t in targets}) if isinstance(targets, (set, list, tuple))
+               else targets)
     return {"r": peft_config.r, "alpha": float(peft_config.lora_alpha), "dropout": peft_config.lora_dropout,
             "targets": targets}
 

@@ -56,7 +56,8 @@ class StageClock:
 
     def wrap(self, name: str, fn: Callable, *, when: Callable[[], bool] = lambda: True,
              after: Callable | None = None) -> Callable:
-        """``fn`` timed under ``name`` (only calls for which ``when()`` holds); ``after(result)`` runs outside."""
+        """``fn`` timed under ``name`` (only calls for which ``when()`` holds); ``after(result)`` runs
+        outside."""
         def wrapper(*args, **kwargs):
             if not when():
                 return fn(*args, **kwargs)
@@ -113,7 +114,8 @@ class PhaseMemory:
                    "reserved_mib": torch.cuda.max_memory_reserved() / mib}
             torch.cuda.reset_peak_memory_stats()
             return out
-        out = {"allocated_mib": (_status_kib("VmHWM") or 0) / 1024, "reserved_mib": None}  # RSS high-water mark
+        # RSS high-water mark
+        out = {"allocated_mib": (_status_kib("VmHWM") or 0) / 1024, "reserved_mib": None}
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
@@ -135,15 +137,16 @@ class PhaseMemory:
         return {k: v for k, v in self.peaks.items() if k != "done"}
 
 
-def decode_roofline(*, matmul_params: int, weight_bytes: float, lora_params: int, rows: int, prompt_tokens: int,
-                    completion_tokens: int, kv_bytes_per_token: int, decode_s: float | None,
-                    hbm_bytes_per_s: float = HBM_BYTES_PER_S) -> dict:
+def decode_roofline(*, matmul_params: int, weight_bytes: float, lora_params: int, rows: int,
+                    prompt_tokens: int, completion_tokens: int, kv_bytes_per_token: int,
+                    decode_s: float | None, hbm_bytes_per_s: float = HBM_BYTES_PER_S) -> dict:
     """What each decode step must read (every weight once, the adapters, and each row's KV cache at
     its mean context P + C/2) and that traffic over the measured decode time, as a fraction of HBM.
 
     Example:
         >>> r = decode_roofline(matmul_params=10**9, weight_bytes=2, lora_params=0, rows=1, prompt_tokens=0,
-        ...                     completion_tokens=1000, kv_bytes_per_token=0, decode_s=1.0, hbm_bytes_per_s=4e12)
+        ...                     completion_tokens=1000, kv_bytes_per_token=0, decode_s=1.0,
+        ...                     hbm_bytes_per_s=4e12)
         >>> r["bytes_per_step"], r["fraction"]
         (2000000000.0, 0.5)
     """
@@ -156,7 +159,8 @@ def decode_roofline(*, matmul_params: int, weight_bytes: float, lora_params: int
 
 
 def training_mfu(*, matmul_params: int, layers: int, q_dim: int, trained_tokens: int, sequence_tokens: int,
-                 full: bool, checkpointing: bool, train_s: float | None, peak_flops: float = BF16_FLOPS) -> dict:
+                 full: bool, checkpointing: bool, train_s: float | None,
+                 peak_flops: float = BF16_FLOPS) -> dict:
     """FLOPs of one training pass over ``trained_tokens`` and their rate against ``peak_flops``.
 
     Per token: 6 N for full fine-tuning (forward 2 N, backward 4 N), 4 N under LoRA (no gradient for

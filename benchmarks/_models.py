@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ModelShape", "SHAPES", "word_tokenizer", "build_model", "make_prompts", "hash_score", "count_params"]
+__all__ = ["ModelShape", "SHAPES", "word_tokenizer", "build_model", "make_prompts", "hash_score",
+           "count_params"]
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 
@@ -51,11 +52,11 @@ SHAPES: dict[str, ModelShape] = {
     "smoke": ModelShape("llama", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512,
                         tie_embeddings=False, max_positions=256),
     # 5.0M parameters, Llama-shaped: under a second per GRPO step (B=2, G=4, 32+64 tokens) on one core
-    "llama-small": ModelShape("llama", hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688, vocab=4096,
-                              tie_embeddings=False, max_positions=1024),
+    "llama-small": ModelShape("llama", hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688,
+                              vocab=4096, tie_embeddings=False, max_positions=1024),
     # Qwen2.5's 151,936-token vocabulary on a tiny trunk: the embedding and the logits dominate
-    "qwen2-logits": ModelShape("qwen2", hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384, vocab=151_936,
-                               tie_embeddings=True, max_positions=1024),
+    "qwen2-logits": ModelShape("qwen2", hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384,
+                               vocab=151_936, tie_embeddings=True, max_positions=1024),
     # Qwen2.5-0.5B and -1.5B (config.json of the released models; tied embeddings)
     "qwen2.5-0.5b": ModelShape("qwen2", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
                                vocab=151_936, tie_embeddings=True, max_positions=32_768),

@@ -10,8 +10,8 @@ same training seed and the same budget in optimizer steps, each (arm, seed) in a
   on the top-20% tokens by entropy of each micro-batch only ("Beyond the 80/20 rule").
 - ``adaptive_temperature``: ``AdaptiveTemperature(initial=<the demo's temperature>)`` (defaults
   otherwise: bounds 0.5-1.5, step 0.05, collapse SE <= 0.1, scatter mean SE >= 0.8).
-- ``curriculum``: ``grpo_engine.data.InformativeCurriculum(train, batch_size=B, seed=<training seed>)`` (defaults
-  otherwise: revisit up to half of each batch from prompts with mean accuracy in (0.1, 0.9)).
+- ``curriculum``: ``grpo_engine.data.InformativeCurriculum(train, batch_size=B, seed=<training seed>)``
+  (defaults otherwise: revisit up to half of each batch from prompts with mean accuracy in (0.1, 0.9)).
 
     python benchmarks/entropy_ablation.py --seeds 0 1 --steps 30 --out /tmp/ablation
     python benchmarks/entropy_ablation.py --arms baseline curriculum --seeds 0 --steps 10
@@ -172,7 +172,8 @@ class ObservedEntropy:
         if self.last is not None:
             entropy, accuracy = self.last
             se, collapsed = float(entropy.mean()), float(collapsed_fraction(entropy, accuracy))
-        out = {"semantic_entropy": se, "collapsed_fraction": collapsed, "se_s": self.seconds, "se_calls": self.calls}
+        out = {"semantic_entropy": se, "collapsed_fraction": collapsed, "se_s": self.seconds,
+               "se_calls": self.calls}
         self.seconds, self.calls, self.last = 0.0, 0, None
         return out
 
@@ -188,7 +189,8 @@ def build_trainer(spec: Spec, model, tokenizer, train: Sequence, template, rewar
         temperature=spec.temperature, learning_rate=spec.learning_rate, seed=spec.seed, output_dir=workdir,
         progress_bar=False,
     )
-    memory = MemoryPlan(lora=LoRA(r=spec.lora_r, alpha=2 * spec.lora_r), micro_batch_size=spec.micro_batch_size)
+    memory = MemoryPlan(lora=LoRA(r=spec.lora_r, alpha=2 * spec.lora_r),
+                        micro_batch_size=spec.micro_batch_size)
     arm = {"prompts": train, **ARMS[spec.arm](spec, train)}
     return GRPOTrainer(model, [reward], config=config, memory=memory, tokenizer=tokenizer, template=template,
                        entropy=ObservedEntropy(SemanticEntropy(normalize=True)), **arm)
@@ -238,7 +240,8 @@ def run_arm(spec: Spec) -> dict:
             row.update(trainer.entropy.take(), step_s=seconds)
             steps.append(row)
             history.append(metrics)
-            print(f"[{spec.arm} seed {spec.seed}] step {len(steps)}: {json.dumps(row)}", file=sys.stderr, flush=True)
+            print(f"[{spec.arm} seed {spec.seed}] step {len(steps)}: {json.dumps(row)}", file=sys.stderr,
+                  flush=True)
         after = accuracy(trainer.model)
     step_s = [r["step_s"] for r in steps]
     curves = {key: [r[key] for r in steps] for key in steps[0]} if steps else {}
@@ -289,8 +292,8 @@ def checks(runs: Sequence[dict], steps: int) -> tuple[list[str], list[str]]:
     problems, warnings = [], []
     codes = {r.get("code") for r in runs}
     if len(codes) > 1:
-        problems.append(f"the workers imported different grpo_engine sources {sorted(map(str, codes))}: the code "
-                        "changed during the run; run again on a tree nobody edits (e.g. a copy)")
+        problems.append(f"the workers imported different grpo_engine sources {sorted(map(str, codes))}: "
+                        "the code changed during the run; run again on a tree nobody edits (e.g. a copy)")
     befores = {r["before"] for r in runs}
     if len(befores) > 1:
         problems.append(f"the base model scored differently across workers: {sorted(befores)}")
@@ -357,12 +360,14 @@ def ablate(base: Spec, arms: Sequence[str], seeds: Sequence[int], out: Path) -> 
     def report() -> dict:
         ordered = sorted(runs, key=lambda r: (list(arms).index(r["arm"]), r["seed"]))
         problems, warnings = checks(ordered, base.steps)
-        return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "date": time.strftime("%Y-%m-%d"),
+        return {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "date": time.strftime("%Y-%m-%d"),
                 "hardware": harness.hardware("cpu") + f", {base.threads} torch thread(s) per worker",
                 "versions": harness.versions(), "commit": harness.git_commit(),
                 "code": sorted({str(r.get("code")) for r in ordered}), "spec": dataclasses.asdict(base),
                 "arms": list(arms), "seeds": list(seeds), "summary": summarize(ordered), "problems": problems,
-                "warnings": warnings, "errors": list(errors), "wall_s": time.perf_counter() - start, "runs": ordered}
+                "warnings": warnings, "errors": list(errors), "wall_s": time.perf_counter() - start,
+                "runs": ordered}
 
     for k, arm in harness.schedule(arms, range(len(seeds)), rotate=True):
         seed = seeds[k]
@@ -390,7 +395,8 @@ def _table(report: dict) -> str:
     for arm, s in report["summary"].items():
         std = f"{s['after_std']:.3f}" if s["after_std"] is not None else "-"
         per_seed = " ".join(f"{a:.3f}" for a in s["after_per_seed"])
-        lines.append(f"{arm:22}{s['before']:8.3f}{s['after_mean']:12.3f}{std:>8}  {per_seed:22}{s['step_s']:8.2f}")
+        lines.append(f"{arm:22}{s['before']:8.3f}{s['after_mean']:12.3f}{std:>8}  "
+                     f"{per_seed:22}{s['step_s']:8.2f}")
     lines += [f"PROBLEM: {x}" for x in report["problems"]] + [f"WARNING: {x}" for x in report["warnings"]]
     lines += [f"ERROR: {x}" for x in report["errors"]]
     return "\n".join(lines)

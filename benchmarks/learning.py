@@ -103,12 +103,13 @@ import _harness as harness
 INSTRUCTION = " Reply with only the final number."  # the demo's (grpo_engine.demo.DemoSettings)
 HONEST_RANGE = (0.10, 0.50)  # greedy accuracy of the base model that keeps the task honest
 ENGINES = ("ours", "trl")
-MODES = {"identical": "identical settings", "defaults": "each engine's recommended settings for this hardware"}
-IDENTICAL = {"learning_rate": 1e-4, "temperature": 1.0, "aggregation": "token", "lora_r": 16, "lora_alpha": 32.0,
-             "advantage_eps": 1e-4, "adam_betas": (0.9, 0.99)}
+MODES = {"identical": "identical settings",
+         "defaults": "each engine's recommended settings for this hardware"}
+IDENTICAL = {"learning_rate": 1e-4, "temperature": 1.0, "aggregation": "token", "lora_r": 16,
+             "lora_alpha": 32.0, "advantage_eps": 1e-4, "adam_betas": (0.9, 0.99)}
 TRL_DEFAULTS_LR = 1e-4  # the issue's measured TRL recipe (TRL's own default, 1e-6, is for full fine-tuning)
-# what a TRL user picks on a CPU: TRL's defaults turn on bf16 autocast and gradient checkpointing, both choices
-# for a GPU (and a 135M model with LoRA is not short of memory)
+# what a TRL user picks on a CPU: TRL's defaults turn on bf16 autocast and gradient checkpointing, both
+# choices for a GPU (and a 135M model with LoRA is not short of memory)
 TRL_ON_CPU = {"bf16": False, "fp16": False, "gradient_checkpointing": False}
 TRL_AGGREGATION = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}
 
@@ -206,11 +207,13 @@ class Setup:
         from grpo_engine.eval import greedy_accuracy
 
         return greedy_accuracy(policy, self.tokenizer, prompts, self.reward, template=self.template,
-                               max_new_tokens=self.spec.max_completion_tokens, batch_size=len(prompts)).accuracy
+                               max_new_tokens=self.spec.max_completion_tokens,
+                               batch_size=len(prompts)).accuracy
 
     def clock(self, policy: Callable[[], object]) -> TrainingClock:
         subset = self.test[:self.spec.eval_subset]
-        return TrainingClock(self.spec.budget_s, self.spec.eval_every_s, lambda: self.accuracy(policy(), subset))
+        return TrainingClock(self.spec.budget_s, self.spec.eval_every_s,
+                             lambda: self.accuracy(policy(), subset))
 
 
 def _setup(spec: Spec) -> Setup:
@@ -254,7 +257,8 @@ def run_ours(spec: Spec, workdir: str) -> dict:
     s = _setup(spec)
     before = s.accuracy(s.model, s.test)
     if spec.mode == "identical":
-        lr, temperature, aggregation = IDENTICAL["learning_rate"], IDENTICAL["temperature"], IDENTICAL["aggregation"]
+        lr, temperature, aggregation = (IDENTICAL["learning_rate"], IDENTICAL["temperature"],
+                                        IDENTICAL["aggregation"])
         schedule = "constant"
         r, alpha, eps = IDENTICAL["lora_r"], IDENTICAL["lora_alpha"], IDENTICAL["advantage_eps"]
         micro = _micro(spec.micro_batch_size or demo.micro_batch_size, spec.completions)
@@ -264,7 +268,8 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         merge = False
     else:
         lr, temperature, r, alpha = demo.learning_rate, demo.temperature, demo.lora_r, 2.0 * demo.lora_r
-        schedule = demo.lr_schedule  # a decay follows the trainer's clock, step time as the benchmark counts it
+        # a decay follows the trainer's clock, step time as the benchmark counts it
+        schedule = demo.lr_schedule
         micro = spec.micro_batch_size or demo.micro_batch_size
         parts = recipe_components(demo)
         advantage, loss = parts["advantage"], parts["loss"]
@@ -274,14 +279,15 @@ def run_ours(spec: Spec, workdir: str) -> dict:
     torch.manual_seed(spec.seed)
     config = GRPOConfig(
         prompts_per_step=prompts, group_size=group,
-        max_completion_tokens=train_tokens, max_prompt_tokens=128, max_steps=10**9, max_train_seconds=spec.budget_s,
+        max_completion_tokens=train_tokens, max_prompt_tokens=128, max_steps=10**9,
+        max_train_seconds=spec.budget_s,
         temperature=temperature, learning_rate=lr, lr_schedule=schedule, seed=spec.seed, output_dir=workdir,
         progress_bar=False,
     )
     memory = MemoryPlan(lora=LoRA(r=r, alpha=alpha, dropout=0.0, target_modules="all-linear"),
                         micro_batch_size=micro, merge_lora_for_sampling=merge)
-    trainer = GRPOTrainer(s.model, [s.reward], s.train, config, memory, tokenizer=s.tokenizer, template=s.template,
-                          advantage=advantage, loss=loss)
+    trainer = GRPOTrainer(s.model, [s.reward], s.train, config, memory, tokenizer=s.tokenizer,
+                          template=s.template, advantage=advantage, loss=loss)
     clock = s.clock(lambda: trainer.model)
     clock.checkpoint()
     rewards = []
@@ -301,11 +307,14 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
         "gradient_checkpointing": harness.checkpointing(trainer.model),
         "precision": harness.weights_dtype(trainer.model),
-        "kl_coef": loss.kl_coef, "clip_eps": [loss.clip_eps_low, loss.clip_eps_high], "aggregation": loss.aggregation,
+        "kl_coef": loss.kl_coef, "clip_eps": [loss.clip_eps_low, loss.clip_eps_high],
+        "aggregation": loss.aggregation,
         "advantage": _advantage(getattr(advantage, "std_scope", "none"), getattr(advantage, "eps", 0.0)),
         "updates_per_batch": config.updates_per_batch,
-        "learning_rate": config.learning_rate, "lr_schedule": config.lr_schedule, "warmup_steps": config.warmup_steps,
-        "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps, "weight_decay": config.weight_decay,
+        "learning_rate": config.learning_rate, "lr_schedule": config.lr_schedule,
+        "warmup_steps": config.warmup_steps,
+        "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps,
+        "weight_decay": config.weight_decay,
         "max_grad_norm": config.max_grad_norm, "temperature": config.temperature, "top_p": config.top_p,
         "top_k": config.top_k, "eos_ids": sorted(trainer.sampler.eos_ids),
         "optimizer": f"{type(trainer.optimizer).__name__}(fused={trainer.optimizer.defaults.get('fused')})",
@@ -334,12 +343,14 @@ def run_trl(spec: Spec, workdir: str) -> dict:
         beta1, beta2 = IDENTICAL["adam_betas"]
         own = dict(temperature=IDENTICAL["temperature"], loss_type="dapo", lr_scheduler_type="constant",
                    warmup_steps=0, adam_beta1=beta1, adam_beta2=beta2, adam_epsilon=1e-8, weight_decay=0.0,
-                   optim="adamw_torch", max_grad_norm=1.0, bf16=False, fp16=False, gradient_checkpointing=False,
+                   optim="adamw_torch", max_grad_norm=1.0, bf16=False, fp16=False,
+                   gradient_checkpointing=False,
                    beta=0.0, epsilon=0.2, num_iterations=1, scale_rewards="group", top_p=1.0, top_k=0,
                    mask_truncated_completions=False)
         train_tokens = spec.max_completion_tokens
     else:  # TRL's defaults, but for what a user picks on this hardware and the task's completion limit
-        default = next(f.default for f in dataclasses.fields(TRLConfig) if f.name == "per_device_train_batch_size")
+        default = next(f.default for f in dataclasses.fields(TRLConfig)
+                       if f.name == "per_device_train_batch_size")
         micro = _micro(spec.micro_batch_size or default, n)
         lr, r, alpha = TRL_DEFAULTS_LR, IDENTICAL["lora_r"], IDENTICAL["lora_alpha"]
         own = dict(TRL_ON_CPU) if spec.device == "cpu" else {}  # on a GPU, TRL's own bf16 and checkpointing
@@ -347,8 +358,10 @@ def run_trl(spec: Spec, workdir: str) -> dict:
     args = TRLConfig(
         output_dir=workdir, num_generations=spec.group_size, per_device_train_batch_size=micro,
         gradient_accumulation_steps=n // micro, max_completion_length=train_tokens,
-        learning_rate=lr, max_steps=10**6, seed=spec.seed, report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, use_cpu=spec.device == "cpu", log_completions=False, dataloader_num_workers=0, **own,
+        learning_rate=lr, max_steps=10**6, seed=spec.seed, report_to="none", save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True, use_cpu=spec.device == "cpu", log_completions=False, dataloader_num_workers=0,
+        **own,
     )
     peft_config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
                              task_type="CAUSAL_LM", bias="none")
@@ -359,8 +372,8 @@ def run_trl(spec: Spec, workdir: str) -> dict:
         return s.reward([Prompt("", target=t) for t in target], texts).tolist()
 
     torch.manual_seed(spec.seed)
-    trainer = TRLTrainer(s.model, reward_funcs=accuracy, args=args, train_dataset=data, processing_class=s.tokenizer,
-                         peft_config=peft_config)
+    trainer = TRLTrainer(s.model, reward_funcs=accuracy, args=args, train_dataset=data,
+                         processing_class=s.tokenizer, peft_config=peft_config)
     clock = s.clock(lambda: trainer.model)
     last = [0.0]
 
@@ -390,11 +403,14 @@ def run_trl(spec: Spec, workdir: str) -> dict:
         "gradient_checkpointing": harness.checkpointing(trainer.model),
         "precision": harness.weights_dtype(trainer.model) + (" + bf16 autocast" if a.bf16 else "")
                      + (" + fp16 autocast" if a.fp16 else ""),
-        "kl_coef": a.beta, "clip_eps": [a.epsilon, a.epsilon_high if a.epsilon_high is not None else a.epsilon],
+        "kl_coef": a.beta,
+        "clip_eps": [a.epsilon, a.epsilon_high if a.epsilon_high is not None else a.epsilon],
         "aggregation": TRL_AGGREGATION.get(a.loss_type, a.loss_type),
         "advantage": _advantage(a.scale_rewards, 1e-4), "updates_per_batch": a.num_iterations,
-        "learning_rate": a.learning_rate, "lr_schedule": getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type),
-        "warmup_steps": a.warmup_steps, "adam_betas": [a.adam_beta1, a.adam_beta2], "adam_eps": a.adam_epsilon,
+        "learning_rate": a.learning_rate,
+        "lr_schedule": getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type),
+        "warmup_steps": a.warmup_steps, "adam_betas": [a.adam_beta1, a.adam_beta2],
+        "adam_eps": a.adam_epsilon,
         "weight_decay": a.weight_decay, "max_grad_norm": a.max_grad_norm, "temperature": a.temperature,
         "top_p": a.top_p, "top_k": a.top_k, "eos_ids": sorted(trainer.eos_token_ids),
         "optimizer": f"{type(optimizer).__name__}(fused={optimizer.defaults.get('fused')})",
@@ -413,7 +429,8 @@ def worker(engine: str, spec: Spec) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"learning-{engine}-") as workdir:
         result = (run_ours if engine == "ours" else run_trl)(spec, workdir)
-    return {"engine": engine, "seed": spec.seed, "mode": spec.mode, **result, "wall_s": time.perf_counter() - start}
+    return {"engine": engine, "seed": spec.seed, "mode": spec.mode, **result,
+            "wall_s": time.perf_counter() - start}
 
 
 # -- the parent: alternate, aggregate, plot -------------------------------------------------------
@@ -439,8 +456,8 @@ def _engine_summary(runs: list[dict]) -> dict | None:
         values = [r[key] for r in runs if r[key] is not None]
         return values[0] if len(runs) == 1 and values else harness.mean(values)
 
-    out = {"before": mean("before"), "after": mean("after"), "steps": mean("steps"), "step_s": mean("step_s_mean"),
-           "train_s": mean("train_s")}
+    out = {"before": mean("before"), "after": mean("after"), "steps": mean("steps"),
+           "step_s": mean("step_s_mean"), "train_s": mean("train_s")}
     if len(runs) > 1:
         out.update({"after_std": harness.sd(r["after"] for r in runs), "seeds": [r["seed"] for r in runs],
                     **{f"{k}_runs": [r[k] for r in runs] for k in ("before", "after", "steps")}})
@@ -452,8 +469,10 @@ def _used(s: dict) -> str:
     """What an engine trained with, in one line of the table (the settings the defaults mode lets differ)."""
     checkpointing = "gradient checkpointing" if s["gradient_checkpointing"] else "no gradient checkpointing"
     return (f"{s['prompts_per_step']} prompts x {s['group_size']} completions, {s['max_completion_tokens']} "
-            f"completion tokens, {s['precision']}, {checkpointing}, lr {s['learning_rate']:g} {s['lr_schedule']}, "
-            f"{s['aggregation']} loss aggregation, advantage {s['advantage']}, micro-batch {s['micro_batch_size']}")
+            f"completion tokens, {s['precision']}, {checkpointing}, "
+            f"lr {s['learning_rate']:g} {s['lr_schedule']}, "
+            f"{s['aggregation']} loss aggregation, advantage {s['advantage']}, "
+            f"micro-batch {s['micro_batch_size']}")
 
 
 def _checks(spec: Spec, runs: dict[str, list[dict]]) -> tuple[list[str], list[str]]:
@@ -464,17 +483,20 @@ def _checks(spec: Spec, runs: dict[str, list[dict]]) -> tuple[list[str], list[st
             if r["steps"] < 1:
                 problems.append(f"{engine} seed {r['seed']}: no training step within {spec.budget_s} s")
             if not HONEST_RANGE[0] <= r["before"] <= HONEST_RANGE[1]:
-                warnings.append(f"{engine} seed {r['seed']}: base model greedy accuracy {r['before']:.3f} is outside "
-                                f"{HONEST_RANGE}: the task is too hard or too easy for this model")
+                warnings.append(f"{engine} seed {r['seed']}: base model greedy accuracy {r['before']:.3f} "
+                                f"is outside {HONEST_RANGE}: the task is too hard or too easy for this model")
     for a, b in zip(runs["ours"], runs["trl"]):
         if a["before"] != b["before"]:
-            problems.append(f"seed {a['seed']}: the base model scored {a['before']} for ours, {b['before']} for trl")
+            problems.append(f"seed {a['seed']}: the base model scored {a['before']} for ours, "
+                            f"{b['before']} for trl")
         if b["prompt_ids"] is not None and a["prompt_ids"] != b["prompt_ids"]:
-            problems.append(f"seed {a['seed']}: the engines render the first training prompt to different tokens")
+            problems.append(f"seed {a['seed']}: the engines render the first training prompt "
+                            "to different tokens")
         if spec.mode == "identical":
             for key in sorted(set(a["settings"]) | set(b["settings"])):
                 if a["settings"].get(key) != b["settings"].get(key):
-                    problems.append(f"setting {key}: ours {a['settings'].get(key)!r} != trl {b['settings'].get(key)!r}")
+                    problems.append(f"setting {key}: ours {a['settings'].get(key)!r} "
+                                    f"!= trl {b['settings'].get(key)!r}")
     return list(dict.fromkeys(problems)), list(dict.fromkeys(warnings))
 
 
@@ -498,7 +520,8 @@ def plot(runs: dict[str, list[dict]], path: Path, *, title: str, budget_s: float
             ys = [p["accuracy"] for p in r["curve"]]
             label = (f"{engine} seed {r['seed']}: {r['steps']} steps; full test {r['before']:.0%} -> "
                      f"{r['after']:.0%}")
-            ax.plot(xs, ys, styles[i % len(styles)], color=colors[engine], marker="o", markersize=3, label=label)
+            ax.plot(xs, ys, styles[i % len(styles)], color=colors[engine], marker="o", markersize=3,
+                    label=label)
     ax.axvline(budget_s, color="gray", linestyle=":", linewidth=1, label=f"budget {budget_s:g} s")
     ax.set_xlabel("training wall time (s), evaluation excluded")
     ax.set_ylabel(f"greedy accuracy, first {subset} test prompts")
@@ -518,7 +541,8 @@ def _summary(spec: Spec, seeds: int, first_seed: int, runs: dict[str, list[dict]
     problems, warnings = _checks(spec, {"ours": [a for a, _ in paired], "trl": [b for _, b in paired]})
     ours, trl = _engine_summary(runs["ours"]), _engine_summary(runs["trl"])
     summary = {"task": _task_name(spec), "budget_s": spec.budget_s, "ours": ours, "trl": trl,
-               "delta_after_pts": harness.mean(deltas), "mode": spec.mode, "seeds": seeds, "first_seed": first_seed}
+               "delta_after_pts": harness.mean(deltas), "mode": spec.mode, "seeds": seeds,
+               "first_seed": first_seed}
     if seeds > 1:
         summary.update(delta_after_pts_runs=deltas, delta_after_pts_std=harness.sd(deltas))
     summary.update(problems=problems, warnings=warnings, errors=list(errors), out=str(out))
@@ -546,10 +570,12 @@ def compare(spec: Spec, seeds: int, out: Path, first_seed: int = 0) -> dict:
         else:
             runs[engine].append(result)
         harness.write_report(out / "report.json", report())
+    # each engine's own batch (they differ in defaults mode)
     shapes = ", ".join(f"{engine} {r[0]['settings']['prompts_per_step']}x{r[0]['settings']['group_size']}"
-                       for engine, r in runs.items() if r)  # each engine's own batch (they differ in defaults mode)
-    plot(runs, out / "learning.png", title=f"{Path(spec.model).name}, {MODES[spec.mode]}\n{spec.budget_s:g} s "
-                                           f"training budget, prompts x completions: {shapes}",
+                       for engine, r in runs.items() if r)
+    plot(runs, out / "learning.png",
+         title=f"{Path(spec.model).name}, {MODES[spec.mode]}\n{spec.budget_s:g} s "
+               f"training budget, prompts x completions: {shapes}",
          budget_s=spec.budget_s, subset=spec.eval_subset)
     return _summary(spec, seeds, first_seed, runs, errors, out)
 
@@ -562,7 +588,8 @@ def _table(s: dict) -> str:
     for engine in ENGINES:
         e = s[engine]
         if e:
-            lines.append(f"{engine:6}{e['before']:8.3f}{e['after']:8.3f}{e['steps']:8.1f}{e['step_s'] or 0:9.2f}")
+            lines.append(f"{engine:6}{e['before']:8.3f}{e['after']:8.3f}{e['steps']:8.1f}"
+                         f"{e['step_s'] or 0:9.2f}")
     lines += [f"{engine} used: {_used(s[engine]['settings'])}" for engine in ENGINES if s[engine]]
     if s["delta_after_pts"] is not None:
         lines.append(f"after, ours - trl: {s['delta_after_pts']:+.1f} points")
@@ -573,19 +600,25 @@ def _table(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget-s", type=float, default=480.0, help="training wall time per engine (default 480)")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="training wall time per engine (default 480)")
     parser.add_argument("--mode", choices=tuple(MODES), default="identical",
-                        help="identical: the same settings for both engines (default); defaults: each engine's "
-                        "recommended settings for this hardware (see the module docstring)")
-    parser.add_argument("--seeds", type=int, default=1, help="how many seeds, each runs both engines (default 1)")
-    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0): --first-seed 2 "
+                        help="identical: the same settings for both engines (default); defaults: "
+                        "each engine's recommended settings for this hardware (see the module docstring)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="how many seeds, each runs both engines (default 1)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the first seed (default 0): --first-seed 2 "
                         "--seeds 1 runs seed 2 alone, as the third of --seeds 3 would (same engine order)")
     parser.add_argument("--model", help="a transformers folder (default: the demo's SmolLM2-135M-Instruct)")
     parser.add_argument("--num-train", type=int, default=1000)
     parser.add_argument("--num-test", type=int, default=64)
-    parser.add_argument("--task-seed", type=int, default=0, help="seed of the train/test split (default 0, the demo's)")
-    parser.add_argument("--eval-subset", type=int, default=32, help="first test prompts of the accuracy curve")
-    parser.add_argument("--eval-every-s", type=float, default=60.0, help="curve point every this much training time")
+    parser.add_argument("--task-seed", type=int, default=0,
+                        help="seed of the train/test split (default 0, the demo's)")
+    parser.add_argument("--eval-subset", type=int, default=32,
+                        help="first test prompts of the accuracy curve")
+    parser.add_argument("--eval-every-s", type=float, default=60.0,
+                        help="curve point every this much training time")
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-completion-tokens", type=int, default=24)
@@ -598,8 +631,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         harness.emit(worker(args.worker, Spec(**json.loads(args.spec))))
         return 0
-    if args.seeds < 1 or args.first_seed < 0 or args.budget_s <= 0 or not 1 <= args.eval_subset <= args.num_test:
-        parser.error(f"got --seeds {args.seeds}, --first-seed {args.first_seed}, --budget-s {args.budget_s:g}, "
+    if (args.seeds < 1 or args.first_seed < 0 or args.budget_s <= 0
+            or not 1 <= args.eval_subset <= args.num_test):
+        parser.error(f"got --seeds {args.seeds}, --first-seed {args.first_seed}, "
+                     f"--budget-s {args.budget_s:g}, "
                      f"--eval-subset {args.eval_subset}, --num-test {args.num_test}: need --seeds >= 1, "
                      "--first-seed >= 0, --budget-s > 0 and 1 <= --eval-subset <= --num-test")
     if args.model is None:
@@ -608,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(smollm2_folder())
     spec = Spec(model=str(args.model), mode=args.mode, budget_s=args.budget_s, task_seed=args.task_seed,
                 num_train=args.num_train, num_test=args.num_test, eval_subset=args.eval_subset,
-                eval_every_s=args.eval_every_s, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                eval_every_s=args.eval_every_s, prompts_per_step=args.prompts_per_step,
+                group_size=args.group_size,
                 max_completion_tokens=args.max_completion_tokens, micro_batch_size=args.micro_batch_size,
                 device=args.device)
     out = args.out or harness.ROOT / "runs" / "learning" / time.strftime("%Y%m%d-%H%M%S")

@@ -101,18 +101,21 @@ PRESETS: dict[str, Preset] = {
     "micro": Preset("micro", prompts_per_step=2, group_size=2, prompt_tokens=8, completion_tokens=8,
                     micro_batch_size=2, warmup_steps=1, measured_steps=2, repetitions=1, worker_timeout_s=300,
                     threads=1),
-    "cpu-small": Preset("llama-small", prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=64,
-                        micro_batch_size=4, warmup_steps=1, measured_steps=4, repetitions=2, threads=1),
-    "cpu-logits": Preset("qwen2-logits", prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=64,
-                         micro_batch_size=4, warmup_steps=1, measured_steps=3, repetitions=2, threads=1),
+    "cpu-small": Preset("llama-small", prompts_per_step=2, group_size=4, prompt_tokens=32,
+                        completion_tokens=64, micro_batch_size=4, warmup_steps=1, measured_steps=4,
+                        repetitions=2, threads=1),
+    "cpu-logits": Preset("qwen2-logits", prompts_per_step=2, group_size=4, prompt_tokens=32,
+                         completion_tokens=64, micro_batch_size=4, warmup_steps=1, measured_steps=3,
+                         repetitions=2, threads=1),
     # full fine-tuning in float32 master weights under bfloat16 autocast (TRL: bf16=True on a float32 model)
-    "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="float32", compute_dtype="bfloat16", prompts_per_step=8,
-                       group_size=8, prompt_tokens=128, completion_tokens=512, micro_batch_size=16, learning_rate=1e-6,
-                       warmup_steps=1, measured_steps=3, repetitions=1, worker_timeout_s=75, trl_timeout_s=110),
+    "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="float32", compute_dtype="bfloat16",
+                       prompts_per_step=8, group_size=8, prompt_tokens=128, completion_tokens=512,
+                       micro_batch_size=16, learning_rate=1e-6, warmup_steps=1, measured_steps=3,
+                       repetitions=1, worker_timeout_s=75, trl_timeout_s=110),
     "gpu-1.5b": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
-                       prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16, lora_alpha=32.0,
-                       learning_rate=1e-5, warmup_steps=1, measured_steps=3, repetitions=1, worker_timeout_s=90,
-                       trl_timeout_s=170),
+                       prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
+                       lora_alpha=32.0, learning_rate=1e-5, warmup_steps=1, measured_steps=3, repetitions=1,
+                       worker_timeout_s=90, trl_timeout_s=170),
     # the issue-5 workload under the plan `grpo-engine plan --model qwen2.5-1.5b --budget-gib 8` picks
     "gpu-1.5b-8gib": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                             prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
@@ -120,9 +123,10 @@ PRESETS: dict[str, Preset] = {
                             measured_steps=3, repetitions=1, worker_timeout_s=90),
     # a 7B shape under QLoRA (ours only: --engines ours)
     "gpu-7b-qlora": Preset("qwen2.5-7b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
-                           prompt_tokens=128, completion_tokens=1024, micro_batch_size=4, lora_r=16, lora_alpha=32.0,
-                           gradient_checkpointing=True, quantization="nf4", learning_rate=1e-5, warmup_steps=1,
-                           measured_steps=3, repetitions=1, worker_timeout_s=130),
+                           prompt_tokens=128, completion_tokens=1024, micro_batch_size=4, lora_r=16,
+                           lora_alpha=32.0, gradient_checkpointing=True, quantization="nf4",
+                           learning_rate=1e-5, warmup_steps=1, measured_steps=3, repetitions=1,
+                           worker_timeout_s=130),
 }
 
 
@@ -134,10 +138,12 @@ def smoke(p: Preset) -> Preset:
         >>> smoke(PRESETS["gpu-1.5b"]).shape, smoke(PRESETS["gpu-1.5b"]).lora_r
         ('smoke', 16)
     """
-    return dataclasses.replace(p, shape="smoke", device="cpu", prompts_per_step=2, group_size=2, prompt_tokens=8,
-                               completion_tokens=8, micro_batch_size=2, warmup_steps=1, measured_steps=3,
-                               repetitions=1, threads=1, worker_timeout_s=60.0, trl_timeout_s=60.0,
-                               decoding="static" if p.decoding == "auto" else p.decoding)  # the GPU's path, eager
+    return dataclasses.replace(p, shape="smoke", device="cpu", prompts_per_step=2, group_size=2,
+                               prompt_tokens=8, completion_tokens=8, micro_batch_size=2, warmup_steps=1,
+                               measured_steps=3, repetitions=1, threads=1, worker_timeout_s=60.0,
+                               trl_timeout_s=60.0,
+                               # the GPU's path, eager
+                               decoding="static" if p.decoding == "auto" else p.decoding)
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -237,23 +243,26 @@ def run_ours(p: Preset, workdir: str) -> dict:
     model, tokenizer, texts = _setup(p)
     config = GRPOConfig(
         prompts_per_step=p.prompts_per_step, group_size=p.group_size, max_prompt_tokens=p.prompt_tokens,
-        max_completion_tokens=p.completion_tokens, max_steps=p.warmup_steps + p.measured_steps, temperature=1.0,
-        top_p=1.0, top_k=0, learning_rate=p.learning_rate, lr_schedule="constant", warmup_steps=0, weight_decay=0.0,
+        max_completion_tokens=p.completion_tokens, max_steps=p.warmup_steps + p.measured_steps,
+        temperature=1.0, top_p=1.0, top_k=0, learning_rate=p.learning_rate, lr_schedule="constant",
+        warmup_steps=0, weight_decay=0.0,
         adam_betas=(0.9, 0.99), adam_eps=1e-8, max_grad_norm=1.0, seed=p.seed, output_dir=workdir,
         progress_bar=False,
     )
-    lora = LoRA(r=p.lora_r, alpha=p.lora_alpha, dropout=0.0, target_modules="all-linear") if p.lora_r else None
-    memory = MemoryPlan(lora=lora, gradient_checkpointing=p.gradient_checkpointing, quantization=p.quantization,
-                        micro_batch_size=p.micro_batch_size, dtype=p.dtype, compute_dtype=p.compute_dtype,
-                        decoding=p.decoding)
+    lora = (LoRA(r=p.lora_r, alpha=p.lora_alpha, dropout=0.0, target_modules="all-linear") if p.lora_r
+            else None)
+    memory = MemoryPlan(lora=lora, gradient_checkpointing=p.gradient_checkpointing,
+                        quantization=p.quantization, micro_batch_size=p.micro_batch_size, dtype=p.dtype,
+                        compute_dtype=p.compute_dtype, decoding=p.decoding)
     from grpo_engine.memory.estimate import Workload, estimate_memory
 
     predicted = estimate_memory(model.config, memory, Workload(
         prompts_per_step=p.prompts_per_step, group_size=p.group_size, prompt_tokens=p.prompt_tokens,
         completion_tokens=p.completion_tokens, kl=p.kl_coef > 0))
     loss = ClippedSurrogate(clip_eps_low=0.2, kl_coef=p.kl_coef, aggregation="sequence")
-    trainer = GRPOTrainer(model, [HashReward()], [Prompt(t) for t in texts], config, memory, tokenizer=tokenizer,
-                          advantage=GroupNormalized(), loss=loss, template=PlainTemplate("{question}"))
+    trainer = GRPOTrainer(model, [HashReward()], [Prompt(t) for t in texts], config, memory,
+                          tokenizer=tokenizer, advantage=GroupNormalized(), loss=loss,
+                          template=PlainTemplate("{question}"))
 
     clock, meter, seen = StageClock(p.device), MemoryMeter(p.device), {}
 
@@ -269,7 +278,8 @@ def run_ours(p: Preset, workdir: str) -> dict:
         seen.update(_lengths(batch.prompt_mask.sum(1).tolist(), batch.completion_lengths.tolist()))
 
     trainer.optimizer.step = entering("optimizer", clock.wrap("optimizer_s", trainer.optimizer.step))
-    trainer.sampler.sample = entering("sampling", clock.wrap("generation_s", trainer.sampler.sample, after=record))
+    trainer.sampler.sample = entering("sampling",
+                                      clock.wrap("generation_s", trainer.sampler.sample, after=record))
     rows, first_step_s = [], None
     meter.start()
     for _ in range(p.warmup_steps + p.measured_steps):
@@ -281,8 +291,8 @@ def run_ours(p: Preset, workdir: str) -> dict:
         first_step_s = first_step_s if first_step_s is not None else time.time() - harness.launched_at()
         phases = trainer.sampler.last_clock.seconds() if trainer.sampler.last_clock is not None else {}
         stages.update(reward_s=m["time/reward_s"], logprobs_s=m["time/logprobs_s"])
-        stages["loss_backward_s"] = (step_s - stages["generation_s"] - stages["optimizer_s"] - stages["reward_s"]
-                                     - stages["logprobs_s"])
+        stages["loss_backward_s"] = (step_s - stages["generation_s"] - stages["optimizer_s"]
+                                     - stages["reward_s"] - stages["logprobs_s"])
         row = _step_row(step_s, stages, seen)  # ours: loss_backward_s is the rest of the step
         row.update(prefill_s=phases.get("prefill"), decode_s=phases.get("decode"))
         rows.append(row)
@@ -293,9 +303,11 @@ def run_ours(p: Preset, workdir: str) -> dict:
         "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
         "gradient_checkpointing": harness.checkpointing(trainer.model),
         "weights_dtype": harness.weights_dtype(trainer.model),
-        "compute_dtype": memory.compute_dtype if memory.mixed_precision else harness.weights_dtype(trainer.model),
+        "compute_dtype": (memory.compute_dtype if memory.mixed_precision
+                          else harness.weights_dtype(trainer.model)),
         "kl_coef": loss.kl_coef, "clip_eps": loss.clip_eps_low,
-        "aggregation": "sequence", "learning_rate": config.learning_rate, "adam_betas": list(config.adam_betas),
+        "aggregation": "sequence", "learning_rate": config.learning_rate,
+        "adam_betas": list(config.adam_betas),
         "max_grad_norm": config.max_grad_norm, "temperature": config.temperature,
         "optimizer": f"{type(trainer.optimizer).__name__}(fused={trainer.optimizer.defaults.get('fused')})",
     }
@@ -322,7 +334,8 @@ def run_trl(p: Preset, workdir: str) -> dict:
     model, tokenizer, texts = _setup(p)
     completions = p.prompts_per_step * p.group_size
     if completions % p.micro_batch_size:
-        raise SystemExit(f"B*G={completions} must be a multiple of micro_batch_size={p.micro_batch_size} for TRL")
+        raise SystemExit(f"B*G={completions} must be a multiple of micro_batch_size={p.micro_batch_size} "
+                         "for TRL")
     if p.kl_coef and not p.lora_r:  # TRL builds a full-FT reference model from a path: give it one
         model.save_pretrained(f"{workdir}/policy")
         model.config._name_or_path = f"{workdir}/policy"
@@ -333,22 +346,26 @@ def run_trl(p: Preset, workdir: str) -> dict:
         max_completion_length=p.completion_tokens, max_steps=p.warmup_steps + p.measured_steps,
         learning_rate=p.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, max_grad_norm=1.0,
-        optim="adamw_torch_fused" if p.device == "cuda" else "adamw_torch",  # TRL's GPU default is the fused one
+        # TRL's GPU default is the fused one
+        optim="adamw_torch_fused" if p.device == "cuda" else "adamw_torch",
         beta=p.kl_coef, use_bias_correction_kl=False, loss_type="grpo", scale_rewards="group", epsilon=0.2,
-        num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, gradient_checkpointing=p.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=compute == "bfloat16", fp16=compute == "float16",
+        num_iterations=1, temperature=1.0, top_p=1.0, top_k=0,
+        gradient_checkpointing=p.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=compute == "bfloat16",
+        fp16=compute == "float16",
         use_cpu=p.device == "cpu", disable_dropout=True, report_to="none", save_strategy="no",
         logging_steps=10**6, disable_tqdm=True, seed=p.seed, dataloader_num_workers=0, log_completions=False,
     )
     peft_config = None
     if p.lora_r:
-        peft_config = LoraConfig(r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
-                                 task_type="CAUSAL_LM", bias="none")
+        peft_config = LoraConfig(r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM", bias="none")
 
     def hash_reward(completions, **kwargs):
         return [hash_score(c) for c in completions]
 
-    trainer = TRLTrainer(model, reward_funcs=hash_reward, args=args, train_dataset=Dataset.from_dict({"prompt": texts}),
+    trainer = TRLTrainer(model, reward_funcs=hash_reward, args=args,
+                         train_dataset=Dataset.from_dict({"prompt": texts}),
                          processing_class=tokenizer, peft_config=peft_config)
 
     clock, meter, seen = StageClock(p.device), MemoryMeter(p.device), {}
@@ -409,9 +426,11 @@ def run_trl(p: Preset, workdir: str) -> dict:
         "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
         "gradient_checkpointing": harness.checkpointing(trainer.model),
         "weights_dtype": harness.weights_dtype(trainer.model),
-        "compute_dtype": "bfloat16" if a.bf16 else "float16" if a.fp16 else harness.weights_dtype(trainer.model),
+        "compute_dtype": ("bfloat16" if a.bf16 else "float16" if a.fp16
+                          else harness.weights_dtype(trainer.model)),
         "kl_coef": a.beta, "clip_eps": a.epsilon,
-        "aggregation": {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}.get(a.loss_type, a.loss_type),
+        "aggregation": {"grpo": "sequence", "dapo": "token",
+                        "dr_grpo": "constant"}.get(a.loss_type, a.loss_type),
         "learning_rate": a.learning_rate, "adam_betas": [a.adam_beta1, a.adam_beta2],
         "max_grad_norm": a.max_grad_norm, "temperature": a.temperature,
         "optimizer": f"{type(trainer.optimizer.optimizer).__name__}"
@@ -430,7 +449,8 @@ def worker(engine: str, p: Preset) -> dict:
     measured = raw["rows"][p.warmup_steps:]
     if not measured:
         raise SystemExit(f"{engine}: no measured step (ran {len(raw['rows'])}, warm-up {p.warmup_steps})")
-    med = {k: harness.median(r.get(k) for r in measured) for k in ("step_s", *STAGES, "prefill_s", "decode_s")}
+    med = {k: harness.median(r.get(k) for r in measured)
+           for k in ("step_s", *STAGES, "prefill_s", "decode_s")}
     generated = harness.median(r["generated_tokens"] for r in measured)
     return {
         "engine": engine, "step_s": med["step_s"], "step_s_min": min(r["step_s"] for r in measured),
@@ -440,10 +460,12 @@ def worker(engine: str, p: Preset) -> dict:
         "prompt_sharing_in_training": raw["prompt_sharing_in_training"],
         "tokens_per_s": generated / med["generation_s"] if med["generation_s"] else None,
         "e2e_tokens_per_s": generated / med["step_s"], "generated_tokens_per_step": generated,
-        **{k: f(r[k] for r in raw["rows"]) for k, f in (("prompt_tokens_min", min), ("prompt_tokens_max", max),
+        **{k: f(r[k] for r in raw["rows"]) for k, f in (("prompt_tokens_min", min),
+                                                         ("prompt_tokens_max", max),
                                                          ("completion_tokens_min", min),
                                                          ("completion_tokens_max", max))},
-        **raw["memory"], "trainable_params": raw["trainable_params"], "settings": raw["settings"], "steps": raw["rows"],
+        **raw["memory"], "trainable_params": raw["trainable_params"], "settings": raw["settings"],
+        "steps": raw["rows"],
         **{k: raw[k] for k in ("predicted_peak_mib", "predicted_phases_mib") if k in raw},
     }
 
@@ -482,9 +504,11 @@ def derived(p: Preset, fl: dict, result: dict) -> dict:
     n = p.prompts_per_step * p.group_size
     decode_s = result.get("decode_s") or result["stages"]["generation_s"]  # TRL: generation, prefill included
     lora_params = result["trainable_params"] if p.lora_r else 0
-    roofline = decode_roofline(matmul_params=fl["matmul_params"], weight_bytes=fl["decode_weight_bytes_per_param"],
+    roofline = decode_roofline(matmul_params=fl["matmul_params"],
+                               weight_bytes=fl["decode_weight_bytes_per_param"],
                                lora_params=lora_params, rows=n, prompt_tokens=p.prompt_tokens,
-                               completion_tokens=p.completion_tokens, kv_bytes_per_token=fl["kv_bytes_per_token"],
+                               completion_tokens=p.completion_tokens,
+                               kv_bytes_per_token=fl["kv_bytes_per_token"],
                                decode_s=decode_s, hbm_bytes_per_s=4.3e12 if gpu else float("inf"))
     shared = result.get("prompt_sharing_in_training")
     trained = (p.prompts_per_step * p.prompt_tokens + n * p.completion_tokens if shared
@@ -492,7 +516,8 @@ def derived(p: Preset, fl: dict, result: dict) -> dict:
     mfu = training_mfu(matmul_params=fl["matmul_params"], layers=fl["layers"], q_dim=fl["q_dim"],
                        trained_tokens=trained, sequence_tokens=p.prompt_tokens + p.completion_tokens,
                        full=p.lora_r is None, checkpointing=p.gradient_checkpointing,
-                       train_s=result["stages"]["loss_backward_s"], peak_flops=BF16_FLOPS if gpu else float("inf"))
+                       train_s=result["stages"]["loss_backward_s"],
+                       peak_flops=BF16_FLOPS if gpu else float("inf"))
     return {"decode_time_s": decode_s, "decode_bytes_per_step": roofline["bytes_per_step"],
             "decode_bytes_per_s": roofline["achieved_bytes_per_s"],
             "decode_roofline_fraction": roofline["fraction"] if gpu else None,
@@ -516,7 +541,8 @@ def _aggregate(p: Preset, runs: list[dict], fl: dict) -> dict:
            "trainable_params": runs[0]["trainable_params"], "settings": runs[0]["settings"],
            "completion_tokens": [min(r["completion_tokens_min"] for r in runs),
                                  max(r["completion_tokens_max"] for r in runs)],
-           "prompt_tokens": [min(r["prompt_tokens_min"] for r in runs), max(r["prompt_tokens_max"] for r in runs)],
+           "prompt_tokens": [min(r["prompt_tokens_min"] for r in runs),
+                             max(r["prompt_tokens_max"] for r in runs)],
            "step_s_runs": [r["step_s"] for r in runs], "peak_mib_runs": [r["peak_mib"] for r in runs]}
     if "predicted_peak_mib" in runs[0]:  # ours: the estimator's prediction (grpo_engine.memory.estimate)
         out["predicted_peak_mib"] = runs[0]["predicted_peak_mib"]
@@ -535,7 +561,8 @@ def _problems(p: Preset, results: dict) -> list[str]:
         if res is None:
             continue
         if res["completion_tokens"] != [p.completion_tokens, p.completion_tokens]:
-            problems.append(f"{engine}: completions had {res['completion_tokens']} tokens, not {p.completion_tokens}")
+            problems.append(f"{engine}: completions had {res['completion_tokens']} tokens, "
+                            f"not {p.completion_tokens}")
         if res["prompt_tokens"] != [p.prompt_tokens, p.prompt_tokens]:
             problems.append(f"{engine}: prompts had {res['prompt_tokens']} tokens, not {p.prompt_tokens}")
     if results.get("ours") and results.get("trl"):
@@ -556,7 +583,8 @@ def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str]
     both = bool(ours and trl)
     problems = _problems(p, results)
     return {
-        "preset": name, "device": p.device, "hardware": harness.hardware(p.device), "versions": harness.versions(),
+        "preset": name, "device": p.device, "hardware": harness.hardware(p.device),
+        "versions": harness.versions(),
         "spec": dataclasses.asdict(p), "floor": fl, "ours": ours, "trl": trl,
         "ratio_step_time": ours["step_s"] / trl["step_s"] if both else None,
         "ratio_peak_memory": ours["peak_mib"] / trl["peak_mib"] if both else None,
@@ -583,7 +611,8 @@ def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, bu
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     errors: list[str] = []
     spec = json.dumps(dataclasses.asdict(p))
-    for rep, engine in harness.schedule(engines, range(p.repetitions), rotate=False):  # ours, trl, ours, trl, ...
+    # ours, trl, ours, trl, ...
+    for rep, engine in harness.schedule(engines, range(p.repetitions), rotate=False):
         fixed = p.trl_timeout_s if engine == "trl" and p.trl_timeout_s else p.worker_timeout_s
         timeout = harness.time_limit(fixed, end)
         if timeout is None:
@@ -607,18 +636,21 @@ def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, bu
 
 def _summary(r: dict) -> str:
     lines = [f"preset {r['preset']} on {r['hardware']}"]
-    head = f"{'':10}{'step s':>9}{'min s':>9}{'gen s':>9}{'logp s':>9}{'fwd+bwd s':>11}{'optim s':>9}{'other s':>9}"
+    head = (f"{'':10}{'step s':>9}{'min s':>9}{'gen s':>9}{'logp s':>9}{'fwd+bwd s':>11}{'optim s':>9}"
+            f"{'other s':>9}")
     lines.append(head + f"{'gen tok/s':>11}{'peak MiB':>10}{'+base MiB':>11}")
     for engine in ("ours", "trl"):
         e = r.get(engine)
         if not e:
             continue
         st = e["stages"]
-        lines.append(f"{engine:10}{e['step_s']:9.2f}{e['step_s_min']:9.2f}{st['generation_s']:9.2f}{st['logprobs_s']:9.2f}"
-                     f"{st['loss_backward_s']:11.2f}{st['optimizer_s']:9.2f}{st['other_s'] + st['reward_s']:9.2f}"
+        lines.append(f"{engine:10}{e['step_s']:9.2f}{e['step_s_min']:9.2f}{st['generation_s']:9.2f}"
+                     f"{st['logprobs_s']:9.2f}{st['loss_backward_s']:11.2f}{st['optimizer_s']:9.2f}"
+                     f"{st['other_s'] + st['reward_s']:9.2f}"
                      f"{e['tokens_per_s']:11.1f}{e['peak_mib']:10.0f}{e['peak_above_baseline_mib']:11.0f}")
     if r.get("ratio_step_time") is not None:
-        lines.append(f"ours/trl: step time {r['ratio_step_time']:.2f}, peak memory {r['ratio_peak_memory']:.2f}")
+        lines.append(f"ours/trl: step time {r['ratio_step_time']:.2f}, "
+                     f"peak memory {r['ratio_peak_memory']:.2f}")
     lines += [f"PROBLEM: {x}" for x in r.get("problems", [])] + [f"ERROR: {x}" for x in r.get("errors", [])]
     return "\n".join(lines)
 
@@ -647,12 +679,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--repetitions", type=int, help="workers per engine (default: the preset's)")
     parser.add_argument("--steps", type=int, help="measured steps per worker (default: the preset's)")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a preset field")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a preset field")
     parser.add_argument("--engines", default="ours,trl", help="comma-separated subset of ours,trl")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
-    parser.add_argument("--budget-s", type=float, help="stop starting workers once this many seconds have passed")
+    parser.add_argument("--budget-s", type=float,
+                        help="stop starting workers once this many seconds have passed")
     parser.add_argument("--deadline", type=float, help="epoch seconds by which every worker must have ended")
-    parser.add_argument("--smoke", action="store_true", help="shrink the preset to a tiny CPU run (see smoke())")
+    parser.add_argument("--smoke", action="store_true",
+                        help="shrink the preset to a tiny CPU run (see smoke())")
     parser.add_argument("--log", type=Path, help="append each worker's stderr to this file")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)

@@ -1,10 +1,10 @@
 """Variants of the demo recipe at a fixed step budget: held-out accuracy every N steps.
 
 The evidence behind the demo's defaults (docs/benchmarks.md, "The recipe choices"; every sweep in
-docs/lab/recipe-experiments.md). Each variant changes fields of ``grpo_engine.demo.DemoSettings`` and trains our engine
-alone from the base model on the demo task; greedy held-out accuracy (the demo's 24 new tokens)
-is measured every ``--eval-every`` steps. A step budget, not a time budget, so that a shared
-machine does not change what is measured.
+docs/lab/recipe-experiments.md). Each variant changes fields of ``grpo_engine.demo.DemoSettings`` and
+trains our engine alone from the base model on the demo task; greedy held-out accuracy (the demo's 24
+new tokens) is measured every ``--eval-every`` steps. A step budget, not a time budget, so that a
+shared machine does not change what is measured.
 
 Keys a variant may hold besides ``DemoSettings`` fields: ``config`` (a dict of ``GRPOConfig``
 fields that win over the recipe's, e.g. ``{"seed": 1}`` for another sampling seed on the same
@@ -21,8 +21,8 @@ over ``--steps``).
 its first ``num_test`` (64) problems are exactly the demo's held-out set (``arithmetic_task``
 draws without replacement in a fixed order), so each curve point reports both: ``accuracy`` on
 all N and ``demo_split`` on the demo's 64, then ``[correct, total]`` per kind of problem
-(``+``, ``-`` with a result >= 0, ``-`` with a negative result). With 64 problems one run's binomial standard error is
-~6 points; 256 problems halve it.
+(``+``, ``-`` with a result >= 0, ``-`` with a negative result). With 64 problems one run's binomial
+standard error is ~6 points; 256 problems halve it.
 
     python benchmarks/recipe_sweep.py --steps 80 --eval-every 20 --eval-problems 256 \\
         --variant '{}' --variant '{"temperature": 0.8}' --variant '{"lr_schedule": "linear"}'
@@ -41,7 +41,8 @@ import tempfile
 
 import _harness as harness
 
-COMPONENT_KEYS = ("config", "dynamic_sampling", "advantage", "loss")  # variant keys that are not DemoSettings fields
+# variant keys that are not DemoSettings fields
+COMPONENT_KEYS = ("config", "dynamic_sampling", "advantage", "loss")
 
 
 def build_advantage(spec: dict):
@@ -52,7 +53,8 @@ def build_advantage(spec: dict):
     name = arguments.pop("name", None)
     if name not in advantages.__all__ or not isinstance(getattr(advantages, name), type):
         choices = [n for n in advantages.__all__ if isinstance(getattr(advantages, n), type)]
-        raise ValueError(f"advantage name {name!r} is not a class of grpo_engine.advantages; use one of {choices}, "
+        raise ValueError(f"advantage name {name!r} is not a class of grpo_engine.advantages; "
+                         f"use one of {choices}, "
                          'e.g. {"name": "GroupNormalized", "std_scope": "none"}')
     return getattr(advantages, name)(**arguments)
 
@@ -88,7 +90,8 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(**{
             "prompts_per_step": s.prompts_per_step, "group_size": s.group_size, "max_prompt_tokens": 128,
-            "max_completion_tokens": s.max_completion_tokens, "max_steps": steps, "temperature": s.temperature,
+            "max_completion_tokens": s.max_completion_tokens, "max_steps": steps,
+            "temperature": s.temperature,
             "learning_rate": s.learning_rate, "lr_schedule": s.lr_schedule, "seed": s.seed, "output_dir": out,
             "progress_bar": False, **variant.get("config", {})})
         lora = LoRA(r=s.lora_r, alpha=2 * s.lora_r) if s.lora_r else None
@@ -106,8 +109,8 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
                 point = [step, sum(correct) / len(correct), sum(correct[:s.num_test]) / s.num_test,
                          accuracy_by_kind(test, correct)]
                 curve.append(point)
-                print(f"[sweep] {json.dumps(variant)} step {step}: {point[1]:.4f} (demo split {point[2]:.4f}; "
-                      f"{json.dumps(point[3])})", flush=True)
+                print(f"[sweep] {json.dumps(variant)} step {step}: {point[1]:.4f} "
+                      f"(demo split {point[2]:.4f}; {json.dumps(point[3])})", flush=True)
 
     def median(key: str) -> float | None:
         return harness.median(m[key] for m in trainer.history)
@@ -131,8 +134,8 @@ def accuracy_by_kind(problems: list, correct: list[bool]) -> dict[str, list[int]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", action="append", default=[], help="JSON: DemoSettings fields, config, "
-                        "dynamic_sampling, advantage and/or loss to change (repeatable; default: the shipped recipe "
-                        "only)")
+                        "dynamic_sampling, advantage and/or loss to change (repeatable; default: "
+                        "the shipped recipe only)")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-problems", type=int, help="held-out problems to evaluate on (default: the "

@@ -23,7 +23,8 @@ class BareInteger(Reward):
 
     def score(self, prompt: Prompt, completion: str) -> float:
         if prompt.target is None:
-            raise ValueError("BareInteger needs Prompt.target, the integer answer; build Prompt(q, target='12')")
+            raise ValueError("BareInteger needs Prompt.target, the integer answer; "
+                             "build Prompt(q, target='12')")
         text = completion.strip()
         if re.fullmatch(r"-?\d+", text):
             return 1.0 if int(text) == int(prompt.target) else 0.0
@@ -32,8 +33,10 @@ class BareInteger(Reward):
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local transformers folder (default: SmolLM2-135M-Instruct, converted once)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model",
+                        help="local transformers folder (default: SmolLM2-135M-Instruct, converted once)")
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--output-dir", default="runs/custom_reward")
     parser.add_argument("--group-size", type=int, default=8)
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     train, _ = arithmetic_task(num_train=1000, num_test=0, seed=0)
     config = GRPOConfig(
         prompts_per_step=4, group_size=args.group_size, max_completion_tokens=args.max_completion_tokens,
-        max_steps=args.max_steps, learning_rate=2e-4, output_dir=args.output_dir, progress_bar=not args.no_progress_bar,
+        max_steps=args.max_steps, learning_rate=2e-4, output_dir=args.output_dir,
+        progress_bar=not args.no_progress_bar,
     )
     memory = MemoryPlan(lora=LoRA(r=16, alpha=32), micro_batch_size=16)
     # total reward = 1.0 * math_accuracy + 0.5 * bare_integer; both are logged under reward/<name>/mean

@@ -18,9 +18,12 @@ INSTRUCTION = "\nSolve the problem step by step, then give the final answer as \
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub id or local transformers folder")
-    parser.add_argument("--data", default="../shared/data/gsm8k/train.jsonl", help="GSM8K JSONL (question, answer)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct",
+                        help="hub id or local transformers folder")
+    parser.add_argument("--data", default="../shared/data/gsm8k/train.jsonl",
+                        help="GSM8K JSONL (question, answer)")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--output-dir", default="runs/gsm8k_lora")
     parser.add_argument("--prompts-per-step", type=int, default=4)
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         output_dir=args.output_dir,
         progress_bar=not args.no_progress_bar,
     )
-    memory = MemoryPlan(lora=LoRA(r=16), gradient_checkpointing=True, optimizer=args.optimizer, micro_batch_size=8)
+    memory = MemoryPlan(lora=LoRA(r=16), gradient_checkpointing=True, optimizer=args.optimizer,
+                        micro_batch_size=8)
     trainer = GRPOTrainer(
         args.model,
         [MathAccuracy(), BoxedFormat(weight=0.1)],
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         template=ChatTemplate(instruction=INSTRUCTION),
     )
     history = trainer.train()
-    print(f"{trainer.step_count} steps; metrics in {args.output_dir}/metrics.jsonl, adapter in {args.output_dir}/final")
+    print(f"{trainer.step_count} steps; metrics in {args.output_dir}/metrics.jsonl, "
+          f"adapter in {args.output_dir}/final")
     return history
 
 

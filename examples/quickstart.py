@@ -18,8 +18,10 @@ from grpo_engine.rewards import MathAccuracy
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local transformers folder (default: SmolLM2-135M-Instruct, converted once)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model",
+                        help="local transformers folder (default: SmolLM2-135M-Instruct, converted once)")
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--output-dir", default="runs/quickstart")
     parser.add_argument("--group-size", type=int, default=8)

@@ -16,8 +16,8 @@ from grpo_engine.memory import LoRA, MemoryPlan
 from grpo_engine.protocols import (
     AdvantageFn,
     EntropyEstimator,
-    GRPOLoss,
     GroupFilter,
+    GRPOLoss,
     LossTerm,
     PromptSource,
     RewardFn,

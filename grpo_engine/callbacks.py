@@ -107,7 +107,8 @@ class Callback:
                     metrics: dict[str, Any]) -> None:
         """A step is done; ``metrics`` is the dict that will be logged (add to it)."""
 
-    def on_save(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl, *, path: Any) -> None:
+    def on_save(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl, *,
+                path: Any) -> None:
         """A checkpoint (or the final model) was written to ``path``."""
 
     def on_train_end(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl) -> None:

@@ -36,13 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["save_pretrained_atomic", "write_text_atomic", "clean_leftovers", "latest_checkpoint", "prune_checkpoints",
-           "Resume", "ResumeError", "SAFE_CHANGES", "resolve", "read_checkpoint", "summary", "run_description",
-           "load_weights", "gather_weights", "staging_folder", "save_sharded_optimizer", "load_sharded_optimizer",
-           "load_whole_optimizer_sharded", "rng_states", "set_rng_states", "truncate_metrics", "used_output_dir"]
+__all__ = ["save_pretrained_atomic", "write_text_atomic", "clean_leftovers", "latest_checkpoint",
+           "prune_checkpoints", "Resume", "ResumeError", "SAFE_CHANGES", "resolve", "read_checkpoint",
+           "summary", "run_description", "load_weights", "gather_weights", "staging_folder",
+           "save_sharded_optimizer", "load_sharded_optimizer", "load_whole_optimizer_sharded", "rng_states",
+           "set_rng_states", "truncate_metrics", "used_output_dir"]
 
 STATE_FILE, SUMMARY_FILE, OPTIMIZER_DIR = "trainer_state.pt", "trainer_state.json", "optimizer"
-# settings that may change on resume (when named): limits, bookkeeping, and what changes only speed or summation order
+# settings that may change on resume (when named): limits, bookkeeping, and what changes only speed or
+# summation order
 SAFE_CHANGES = frozenset({
     "config.max_steps", "config.max_train_seconds", "config.save_every_steps", "config.keep_last_checkpoints",
     "config.log_every_steps", "config.progress_bar", "config.report_to", "config.max_nonfinite_steps",
@@ -71,8 +73,8 @@ class Resume:
         object.__setattr__(self, "allow_changes", frozenset(self.allow_changes))
         unsafe = sorted(self.allow_changes - SAFE_CHANGES)
         if unsafe:
-            raise ResumeError(f"allow_changes {unsafe} cannot change on resume (they change the run's math); the "
-                             f"safe ones are {sorted(SAFE_CHANGES)}")
+            raise ResumeError(f"allow_changes {unsafe} cannot change on resume (they change the run's math); "
+                             f"the safe ones are {sorted(SAFE_CHANGES)}")
 
 
 # -- durable folders ---------------------------------------------------------------------------------
@@ -131,7 +133,8 @@ def staging_folder(path: str | Path) -> Path:
 
 def save_pretrained_atomic(model: nn.Module, tokenizer: Any, path: str | Path,
                            extra_files: dict[str, str] | None = None, objects: dict[str, Any] | None = None,
-                           state_dict: dict[str, torch.Tensor] | None = None, tmp: Path | None = None) -> Path:
+                           state_dict: dict[str, torch.Tensor] | None = None,
+                           tmp: Path | None = None) -> Path:
     """Saves ``model`` and ``tokenizer`` in the transformers / peft layout at ``path``, durably.
 
     Args:
@@ -226,7 +229,8 @@ def prune_checkpoints(output_dir: str | Path, keep_last: int | None) -> list[Pat
     """Deletes all but the newest ``keep_last`` ``checkpoint-N`` folders (never ``final``); returns them."""
     if keep_last is None:
         return []
-    olds = [folder for _, folder in _checkpoints(Path(output_dir)) if folder.name != "final"][:-keep_last or None]
+    olds = [folder for _, folder in _checkpoints(Path(output_dir))
+            if folder.name != "final"][:-keep_last or None]
     for folder in olds:
         shutil.rmtree(folder, ignore_errors=True)
     return olds
@@ -236,15 +240,16 @@ def used_output_dir(output_dir: str | Path) -> str | None:
     """Why a new run cannot start in ``output_dir`` (it already holds a run's ``metrics.jsonl``), or None."""
     metrics = Path(output_dir) / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size:
-        return (f"output_dir={str(output_dir)!r} already holds a run (metrics.jsonl); continue it with --resume, "
-                "that is GRPOTrainer(..., resume_from='latest') (CLI: --resume), or choose another "
-                "config.output_dir, or move the old run away first: a new run would mix its metrics with it and "
-                "replace its saved model")
+        return (f"output_dir={str(output_dir)!r} already holds a run (metrics.jsonl); continue it with "
+                "--resume, that is GRPOTrainer(..., resume_from='latest') (CLI: --resume), or choose another "
+                "config.output_dir, or move the old run away first: a new run would mix its metrics with it "
+                "and replace its saved model")
     return None
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drops the lines of ``metrics.jsonl`` after ``step`` (logged after the checkpoint by an interrupted run)."""
+    """Drops the lines of ``metrics.jsonl`` after ``step`` (logged after the checkpoint by an interrupted
+    run)."""
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
@@ -314,8 +319,8 @@ def _differences(saved: dict[str, Any], now: dict[str, Any], allowed: Iterable[s
             problems.append(f"{key} was {old!r}, now {new!r}: allow it with Resume(path, allow_changes="
                             f"{{'{key}'}}) (CLI: --allow-change {key})")
         else:
-            problems.append(f"{key} was {old!r}, now {new!r}: it changes the run's math; resume with the saved "
-                            "value, or start a new run in another output_dir")
+            problems.append(f"{key} was {old!r}, now {new!r}: it changes the run's math; resume with the "
+                            "saved value, or start a new run in another output_dir")
     for key in sorted(set(saved["components"]) | set(now["components"])):
         old, new = saved["components"].get(key), now["components"].get(key)
         if old != new:
@@ -338,7 +343,8 @@ def resolve(output_dir: str | Path, resume: Resume, world: Any) -> Path:
     if folder is None or not (folder / STATE_FILE).is_file():
         where = f"in {output_dir}" if folder is None else f"at {folder}"
         raise FileNotFoundError(f"no trainer checkpoint {where} to resume from (a checkpoint folder holds "
-                                f"{STATE_FILE}); start without resume_from, or point it at a checkpoint-N folder")
+                                f"{STATE_FILE}); start without resume_from, or point it at a checkpoint-N "
+                                "folder")
     return folder
 
 
@@ -371,12 +377,13 @@ def load_weights(model: nn.Module, folder: Path) -> None:
 
         result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
         if getattr(result, "unexpected_keys", None):
-            raise ResumeError(f"{folder}: adapter tensors {result.unexpected_keys[:4]} match no layer of this model")
+            raise ResumeError(f"{folder}: adapter tensors {result.unexpected_keys[:4]} match no layer of "
+                              "this model")
         return
     shards = sorted(folder.glob("model*.safetensors"))
     if not shards:
-        raise ResumeError(f"{folder} holds no adapter_model.safetensors nor model*.safetensors; it is not a checkpoint "
-                         "of this trainer")
+        raise ResumeError(f"{folder} holds no adapter_model.safetensors nor model*.safetensors; it is not a "
+                         "checkpoint of this trainer")
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         weights.update(load_file(shard))
@@ -406,7 +413,8 @@ def save_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, f
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, storage_writer=dcp.FileSystemWriter(folder))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+             storage_writer=dcp.FileSystemWriter(folder))
 
 
 def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
@@ -423,7 +431,8 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, f
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-def load_whole_optimizer_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+def load_whole_optimizer_sharded(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                 saved: dict[str, Any]) -> None:
     """Loads the ``optimizer.state_dict()`` of a whole model (one process, data parallel; keyed by
     position) into the optimizer of the same model sharded since: the positions follow the parameter
     order, which sharding keeps, so each becomes its parameter's name."""
@@ -433,7 +442,9 @@ def load_whole_optimizer_sharded(model: nn.Module, optimizer: torch.optim.Optimi
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     if len(order) != sum(len(g["params"]) for g in saved["param_groups"]):
         raise ResumeError(f"the saved optimizer holds {sum(len(g['params']) for g in saved['param_groups'])} "
-                          f"parameters, this trainer {len(order)}; resume with the model and LoRA plan of the run")
+                          f"parameters, this trainer {len(order)}; resume with the model and LoRA plan of "
+                          "the run")
     by_name = {"state": {order[i]: value for i, value in saved["state"].items()},
-               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
+                                for g in saved["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

@@ -1,4 +1,5 @@
-"""The ``grpo-engine`` command: ``train CONFIG.yaml``, ``eval``, ``plan``, ``export``, ``demo``, ``example-config``.
+"""The ``grpo-engine`` command: ``train CONFIG.yaml``, ``eval``, ``plan``, ``export``, ``demo``,
+``example-config``.
 
 The core never imports this module.
 """
@@ -22,7 +23,8 @@ from grpo_engine.memory.plan import LoRA, MemoryPlan
 __all__ = ["main"]
 
 EXAMPLE_DATA = {
-    None: "{{function: grpo_engine.data.arithmetic_task, num_train: 1000, num_test: 64}}   # bundled synthetic task",
+    None: "{{function: grpo_engine.data.arithmetic_task, num_train: 1000, num_test: 64}}"
+          "   # bundled synthetic task",
     "gsm8k": "{{function: grpo_engine.data.load_gsm8k, path: {path}}}",
     "jsonl": "{{function: grpo_engine.data.load_jsonl_prompts, path: {path}, question_field: question, "
              "answer_field: answer}}",
@@ -150,7 +152,8 @@ def _train(args: argparse.Namespace) -> int:
 def _overridden(data: Any, settings: Sequence[str]) -> Any:
     """The run file's data with each ``--set dotted.path=value`` applied (the value read as YAML)."""
     if not isinstance(data, dict):
-        raise ValueError(f"the run file must be a YAML mapping (model: ..., rewards: ...), got {type(data).__name__}")
+        raise ValueError("the run file must be a YAML mapping (model: ..., rewards: ...), got "
+                         f"{type(data).__name__}")
     for setting in settings:
         key, sep, text = setting.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
@@ -188,8 +191,8 @@ def _resume_problem(spec: Any, out: Path) -> str | None:
     now = spec.model_dump(mode="json", exclude={"config", "memory"})
     changed = [key for key in now if now[key] != saved.get(key)]
     if changed:
-        return (f"cannot resume the run in {out}: {', '.join(changed)} differ from its run.yaml; resume with the "
-                "saved run file (cp run.yaml), or start a new run in another output_dir")
+        return (f"cannot resume the run in {out}: {', '.join(changed)} differ from its run.yaml; "
+                "resume with the saved run file (cp run.yaml), or start a new run in another output_dir")
     return None
 
 
@@ -204,8 +207,8 @@ def _eval_prompts(args: argparse.Namespace) -> list:
     from grpo_engine.data import DataError, load_gsm8k, load_jsonl_prompts, load_math500
 
     if args.dataset != "jsonl" and (args.question_field or args.answer_field):
-        raise DataError(f"--question-field/--answer-field apply to --dataset jsonl only; --dataset {args.dataset} "
-                        "knows its fields")
+        raise DataError("--question-field/--answer-field apply to --dataset jsonl only; "
+                        f"--dataset {args.dataset} knows its fields")
     if args.dataset == "gsm8k":  # no --data: the hub's openai/gsm8k (needs the network)
         return load_gsm8k(args.data, split=args.split, limit=args.limit)
     if args.data is None:
@@ -242,11 +245,12 @@ def _eval(args: argparse.Namespace) -> int:
     model.to(device)
     template = default_template(tokenizer, system=args.template_system, instruction=args.template_instruction)
     report = evaluate(model, tokenizer, prompts, MathAccuracy(), template=template, k=args.k,
-                      temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                      seed=args.seed, greedy=not args.no_greedy, progress=not args.no_progress_bar)
+                      temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                      batch_size=args.batch_size, seed=args.seed, greedy=not args.no_greedy,
+                      progress=not args.no_progress_bar)
     run = {"model": args.model, "adapter": args.adapter, "dataset": args.dataset, "data": args.data,
-           "split": args.split if args.dataset == "gsm8k" and args.data is None else None, "limit": args.limit,
-           "dtype": args.dtype, "device": device}
+           "split": args.split if args.dataset == "gsm8k" and args.data is None else None,
+           "limit": args.limit, "dtype": args.dtype, "device": device}
     report = dataclasses.replace(report, settings={**run, **report.settings})
     report.to_json(args.output)
     print(report.table())
@@ -277,8 +281,8 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--question-field", help="--dataset jsonl: the question field (default question)")
     p.add_argument("--answer-field", help="--dataset jsonl: the reference-answer field (default answer)")
     p.add_argument("--limit", type=_positive(int), help="evaluate only the first N records")
-    p.add_argument("--k", type=_positive(int), default=1, help="samples per prompt; > 1 adds avg@k, pass@k, maj@k "
-                   "(default %(default)s: greedy only)")
+    p.add_argument("--k", type=_positive(int), default=1, help="samples per prompt; > 1 adds avg@k, "
+                   "pass@k, maj@k (default %(default)s: greedy only)")
     p.add_argument("--no-greedy", action="store_true", help="skip greedy decoding (sampled metrics only)")
     p.add_argument("--temperature", type=_positive(float), default=1.0,
                    help="sampling temperature (default %(default)s)")
@@ -327,18 +331,19 @@ def _plan(args: argparse.Namespace) -> int:
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="predict peak accelerator memory and choose a MemoryPlan that fits a budget",
-        description="Prints the predicted memory by part and phase without savings, then the plan with the least "
-        "estimated slowdown whose peak (plus a margin) fits --budget-gib, as YAML for a run file. Predicts tensor "
-        "memory (torch.cuda.max_memory_allocated); the CUDA context (~0.3-0.5 GiB) comes on top.")
+        description="Prints the predicted memory by part and phase without savings, then the plan with the "
+        "least estimated slowdown whose peak (plus a margin) fits --budget-gib, as YAML for a run file. "
+        "Predicts tensor memory (torch.cuda.max_memory_allocated); the CUDA context (~0.3-0.5 GiB) comes "
+        "on top.")
     p.add_argument("--model", required=True, help="a folder with config.json, a hub id (online), or one of "
                    "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, llama-3.2-1b, smollm2-135m")
     p.add_argument("--budget-gib", type=_positive(float), required=True, help="accelerator memory, GiB")
     p.add_argument("--prompts-per-step", type=_positive(int), default=4, help="B (default %(default)s)")
     p.add_argument("--group-size", type=_positive(int), default=8, help="G (default %(default)s)")
-    p.add_argument("--ranks", type=_positive(int), default=1, help="torchrun processes: each samples and trains "
-                   "prompts-per-step / ranks prompts (default %(default)s)")
-    p.add_argument("--sharding", default="none", choices=["none", "fsdp"], help="with --ranks: none (each rank "
-                   "holds the whole model) or fsdp (FSDP2 shards it; default %(default)s)")
+    p.add_argument("--ranks", type=_positive(int), default=1, help="torchrun processes: each samples and "
+                   "trains prompts-per-step / ranks prompts (default %(default)s)")
+    p.add_argument("--sharding", default="none", choices=["none", "fsdp"], help="with --ranks: none "
+                   "(each rank holds the whole model) or fsdp (FSDP2 shards it; default %(default)s)")
     p.add_argument("--prompt-tokens", type=_positive(int), default=256, help="P (default %(default)s)")
     p.add_argument("--completion-tokens", type=_positive(int), default=1024, help="C (default %(default)s)")
     p.add_argument("--kl", action="store_true", help="a KL term (a reference copy under full fine-tuning)")
@@ -346,8 +351,10 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--full-finetune", action="store_true", help="train every weight instead of LoRA")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default %(default)s)")
-    p.add_argument("--micro-batch-size", type=_positive(int), help="largest micro-batch to consider (default B*G)")
-    p.add_argument("--margin", type=float, default=0.15, help="safety margin on the prediction (default %(default)s)")
+    p.add_argument("--micro-batch-size", type=_positive(int),
+                   help="largest micro-batch to consider (default B*G)")
+    p.add_argument("--margin", type=float, default=0.15,
+                   help="safety margin on the prediction (default %(default)s)")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -385,25 +392,25 @@ def build_parser() -> argparse.ArgumentParser:
     from grpo_engine.demo import DemoSettings
 
     demo = sub.add_parser("demo", help="train SmolLM2-135M-Instruct on arithmetic on this CPU (minutes)",
-                          description="Measures held-out accuracy, trains GRPO + LoRA for a wall-clock budget, "
-                          "measures again, and prints a JSON summary as its last line.")
+                          description="Measures held-out accuracy, trains GRPO + LoRA for a wall-clock "
+                          "budget, measures again, and prints a JSON summary as its last line.")
     demo.add_argument("--train-seconds", type=float, default=DemoSettings.train_seconds,
                       help="wall-clock training budget in seconds (default %(default)s)")
     demo.add_argument("--output-dir", default=DemoSettings.output_dir,
                       help="metrics.jsonl and reward_curve.png go here (default %(default)s)")
     demo.add_argument("--seed", type=int, default=DemoSettings.seed, help="seed (default %(default)s)")
-    export = sub.add_parser("export", help="merge a run's LoRA adapter into its base model: a plain transformers "
-                            "folder", description="Loads the base model (the run's run.yaml model, or --base), "
-                            "applies the newest checkpoint's adapter (or the folder given), merges it and writes "
-                            "the weights and tokenizer to --merge OUT.")
+    export = sub.add_parser("export", help="merge a run's LoRA adapter into its base model: a plain "
+                            "transformers folder", description="Loads the base model (the run's run.yaml "
+                            "model, or --base), applies the newest checkpoint's adapter (or the folder "
+                            "given), merges it and writes the weights and tokenizer to --merge OUT.")
     export.add_argument("run", help="a run folder, or its final/ or checkpoint-N/ folder")
     export.add_argument("--merge", required=True, metavar="OUT", help="the folder to write")
     export.add_argument("--base", help="the base model (default: the run's model)")
     export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype to load and save in (default %(default)s)")
     example = sub.add_parser("example-config", help="print a complete, runnable YAML run file")
-    example.add_argument("--data", help="a GSM8K or JSONL file of question/answer records (default: the bundled "
-                         "arithmetic task)")
+    example.add_argument("--data", help="a GSM8K or JSONL file of question/answer records (default: the "
+                         "bundled arithmetic task)")
     example.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
                          help="a hub id or local transformers folder (default %(default)s)")
     return parser

@@ -56,7 +56,8 @@ class DataParallel:
         self.world = world
 
     def prepare(self, model: nn.Module) -> None:
-        """Applies the strategy to the model, before its optimizer is built: rank 0's weights on every rank."""
+        """Applies the strategy to the model, before its optimizer is built: rank 0's weights on every
+        rank."""
         self.world.broadcast_parameters(trainable_parameters(model))
 
     def whole_weights(self, needed: bool = True) -> contextlib.AbstractContextManager:
@@ -119,10 +120,11 @@ class DataParallel:
             optimizer.load_state_dict(state["optimizer"])
 
     def _write(self, path: Path, model: nn.Module, tokenizer: Any, text_files: dict[str, str],
-               state: dict[str, Any], weights: dict[str, Tensor] | None = None, tmp: Path | None = None) -> Path:
+               state: dict[str, Any], weights: dict[str, Tensor] | None = None,
+               tmp: Path | None = None) -> Path:
         if self.world.is_main:
-            checkpoint.save_pretrained_atomic(model, tokenizer, path, text_files, {checkpoint.STATE_FILE: state},
-                                              state_dict=weights, tmp=tmp)
+            checkpoint.save_pretrained_atomic(model, tokenizer, path, text_files,
+                                              {checkpoint.STATE_FILE: state}, state_dict=weights, tmp=tmp)
         self.world.barrier()  # no rank moves on before the checkpoint is complete
         return Path(path)
 
@@ -146,8 +148,8 @@ class FullyShardedDataParallel(DataParallel):
         """Raises ValueError for a setup FSDP2 cannot take here, naming it and the fix."""
         problems = []
         if filters_groups:
-            problems.append("a sampler that drops groups (DynamicSampling: ranks would train unequal rows, and "
-                            "every FSDP2 pass is a collective)")
+            problems.append("a sampler that drops groups (DynamicSampling: ranks would train unequal rows, "
+                            "and every FSDP2 pass is a collective)")
         if memory.quantization is not None:
             problems.append("a 4-bit base (quantization='nf4')")
         if memory.optimizer != "adamw":
@@ -155,8 +157,8 @@ class FullyShardedDataParallel(DataParallel):
         if full_reference:
             problems.append("a frozen reference copy (a KL term under full fine-tuning)")
         if problems:
-            raise ValueError(f"sharding='fsdp' does not take {' nor '.join(problems)}; use sharding='none', or "
-                             "LoRA with optimizer='adamw' and no quantization")
+            raise ValueError(f"sharding='fsdp' does not take {' nor '.join(problems)}; use sharding='none', "
+                             "or LoRA with optimizer='adamw' and no quantization")
 
     def prepare(self, model: nn.Module) -> None:
         super().prepare(model)
@@ -227,8 +229,8 @@ def fully_shard_model(model: nn.Module) -> list[nn.Module]:
         FSDPModule = None  # noqa: N806
     if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
         raise RuntimeError(f"sharding='fsdp' needs FSDP2 with FSDPModule.set_force_sum_reduction_for_comms "
-                           f"(torch.distributed.fsdp), which torch {torch.__version__} lacks; install a newer "
-                           "torch, or use sharding='none' (data parallel)")
+                           f"(torch.distributed.fsdp), which torch {torch.__version__} lacks; install a "
+                           "newer torch, or use sharding='none' (data parallel)")
 
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)

@@ -95,14 +95,16 @@ class PolicyGradient:
                  log_entropy: bool) -> None:
         if loss.requires.entropy_pool and not isinstance(loss, PooledEntropyLoss):
             raise ValueError(f"{type(loss).__name__} declares Requirements(entropy_pool=True) but has no "
-                             "pooled_entropy(batch) method; implement it (grpo_engine.protocols.PooledEntropyLoss)")
+                             "pooled_entropy(batch) method; implement it "
+                             "(grpo_engine.protocols.PooledEntropyLoss)")
         self.model, self.loss, self.memory, self.parallel = model, loss, memory, parallel
         self.with_entropy = loss.requires.entropy or log_entropy
         self.share_prompt = memory.share_prompt and parallel.share_prompt
 
     def __call__(self, batch: RolloutBatch, advantages: Tensor, *, temperature: float,
                  old_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
-                 record_logprobs: Tensor | None = None, metric_keys: Sequence[str] = ("loss",)) -> GradientPass:
+                 record_logprobs: Tensor | None = None,
+                 metric_keys: Sequence[str] = ("loss",)) -> GradientPass:
         """One pass over ``batch`` (see the module docstring).
 
         Args:
@@ -139,7 +141,8 @@ class PolicyGradient:
                 for key, value in found.items():
                     sums[key] = sums.get(key, 0.0) + value
                 finite.append((idx, rows_finite))
-            for _ in range(missing):  # this rank has no i-th micro-batch: it joins the others' pools with nothing
+            # this rank has no i-th micro-batch: it joins the others' pools with nothing
+            for _ in range(missing):
                 world.cat(torch.zeros(0))
         finally:
             self.model.eval()
@@ -156,40 +159,45 @@ class PolicyGradient:
 
     def _micro_step(self, batch: RolloutBatch, idx: Tensor, advantages: Tensor, old: Tensor | None,
                     ref: Tensor | None, record: Tensor | None, counted: Tensor, entropy_tokens: int, *,
-                    temperature: float, num_tokens: int, num_sequences: int) -> tuple[dict[str, Tensor], Tensor]:
+                    temperature: float, num_tokens: int,
+                    num_sequences: int) -> tuple[dict[str, Tensor], Tensor]:
         """Forward, loss and backward of the rows ``idx``; returns their metric shares and whether each
         row's log-probs are finite [n]. ``counted``: [n] which of the rows count in the entropy metric."""
-        pid, pmask, cid, cmask = batch.trimmed(idx)
+        inputs = batch.trimmed(idx)  # prompt ids and mask, completion ids and mask, padding columns cut
+        mask = inputs[3]
         metrics: dict[str, Tensor] = {}
         # forward and loss under autocast (mixed precision), backward outside it
         with activation_offload(self.memory), self._autocast():  # saved tensors to CPU memory, if planned
             out = completion_logprobs(  # token entropy comes from the same chunked pass
-                self.model, pid, pmask, cid, cmask, temperature=temperature, chunk_size=self.memory.logprob_chunk_size,
-                with_entropy=self.with_entropy, vocab_tile=self.memory.logprob_vocab_tile,
-                entropy_grad=self.loss.requires.entropy, share_prompt=self.share_prompt)
+                self.model, *inputs, temperature=temperature,
+                chunk_size=self.memory.logprob_chunk_size, with_entropy=self.with_entropy,
+                vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=self.loss.requires.entropy,
+                share_prompt=self.share_prompt)
             logprobs, entropy = out if self.with_entropy else (out, None)
             if record is not None:
-                record[idx, :cid.shape[1]] = logprobs.detach().float().cpu()
-            finite = torch.where(cmask, logprobs.detach(), 0.0).isfinite().all(1)
+                record[idx, :mask.shape[1]] = logprobs.detach().float().cpu()
+            finite = torch.where(mask, logprobs.detach(), 0.0).isfinite().all(1)
             if entropy is not None:
-                shown = cmask & counted.to(cmask.device)[:, None]
+                shown = mask & counted.to(mask.device)[:, None]
                 metrics["entropy/token_mean"] = token_entropy_mean(entropy.detach(), shown, entropy_tokens)
-            micro = self._micro_batch(batch, idx, cmask, advantages, old, ref, entropy)
+            micro = self._micro_batch(batch, idx, mask, advantages, old, ref, entropy)
             out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=num_sequences)
         out.loss.backward()
-        metrics["loss"] = out.loss.detach()  # summed on the device: one host sync per step, not per micro-batch
+        # summed on the device: one host sync per step, not per micro-batch
+        metrics["loss"] = out.loss.detach()
         metrics.update({key: value.detach() for key, value in out.metrics.items()})
         return metrics, finite
 
-    def _micro_batch(self, batch: RolloutBatch, idx: Tensor, mask: Tensor, advantages: Tensor, old: Tensor | None,
-                     ref: Tensor | None, entropy: Tensor | None) -> MicroBatch:
+    def _micro_batch(self, batch: RolloutBatch, idx: Tensor, mask: Tensor, advantages: Tensor,
+                     old: Tensor | None, ref: Tensor | None, entropy: Tensor | None) -> MicroBatch:
         """The loss's view of the rows ``idx`` (columns cut to ``mask``'s width), with what it asked for;
         the entropy pool gathered over the i-th micro-batch of every rank."""
         width, device, requires = mask.shape[1], mask.device, self.loss.requires
         cut = lambda values: values[idx, :width].to(device) if values is not None else None  # noqa: E731
         micro = MicroBatch(completion_mask=mask, advantages=advantages[idx].to(device), old_logprobs=cut(old),
                            ref_logprobs=cut(ref), is_truncated=batch.is_truncated[idx].to(device),
-                           entropy=entropy if requires.entropy else None, sampler_logprobs=cut(batch.sampler_logprobs))
+                           entropy=entropy if requires.entropy else None,
+                           sampler_logprobs=cut(batch.sampler_logprobs))
         if not requires.entropy_pool:
             return micro
         pool = self.parallel.world.cat(self.loss.pooled_entropy(micro))
@@ -200,10 +208,11 @@ class PolicyGradient:
         """[N, C] log-probs of the batch under ``model`` without gradient, micro-batch by micro-batch."""
         out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
         for idx in torch.arange(batch.num_completions).split(self.memory.micro_batch_size):
-            pid, pmask, cid, cmask = batch.trimmed(idx)
-            out[idx, :cid.shape[1]] = completion_logprobs(
-                model, pid, pmask, cid, cmask, temperature=temperature, chunk_size=self.memory.logprob_chunk_size,
-                vocab_tile=self.memory.logprob_vocab_tile, share_prompt=self.share_prompt).cpu()
+            inputs = batch.trimmed(idx)
+            out[idx, :inputs[2].shape[1]] = completion_logprobs(
+                model, *inputs, temperature=temperature,
+                chunk_size=self.memory.logprob_chunk_size, vocab_tile=self.memory.logprob_vocab_tile,
+                share_prompt=self.share_prompt).cpu()
         return out
 
     def _autocast(self):

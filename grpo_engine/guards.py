@@ -36,8 +36,8 @@ def _rows(flags: Tensor, limit: int = 8) -> str:
 def check_advantages(advantages: Tensor, rewards: RewardOutput, owner: str) -> None:
     """ValueError naming ``owner`` unless ``advantages`` have the rewards' shape [B, G]."""
     if tuple(advantages.shape) != tuple(rewards.total.shape):
-        raise ValueError(f"{owner} returned advantages of shape {tuple(advantages.shape)}; an AdvantageFn maps "
-                         f"rewards [B, G]={tuple(rewards.total.shape)} to the same shape")
+        raise ValueError(f"{owner} returned advantages of shape {tuple(advantages.shape)}; an AdvantageFn "
+                         f"maps rewards [B, G]={tuple(rewards.total.shape)} to the same shape")
 
 
 def nonfinite_advantages(rewards: RewardOutput, advantages: Tensor) -> str | None:
@@ -46,14 +46,15 @@ def nonfinite_advantages(rewards: RewardOutput, advantages: Tensor) -> str | Non
         bad = ~rewards.total.isfinite().all(1)
         names = [name for name, scores in rewards.breakdown.items() if not scores.isfinite().all()]
         largest = {name: float(scores.abs().max()) for name, scores in rewards.breakdown.items()}
-        return (f"the total reward is not finite in groups {_rows(bad)} (non-finite rewards: {names or 'none'}; "
-                f"largest |score| per reward: {largest}; the weighted sum overflowed float32)")
+        return (f"the total reward is not finite in groups {_rows(bad)} (non-finite rewards: "
+                f"{names or 'none'}; largest |score| per reward: {largest}; the weighted sum overflowed "
+                "float32)")
     if not advantages.isfinite().all():
         bad = ~advantages.isfinite()
         top = float(rewards.total.abs().max())
-        return (f"advantages are not finite for completions {_rows(bad.flatten())} (groups {_rows(bad.any(1))}); "
-                f"the rewards reach |r| = {top:.3g}, beyond what the advantage's group statistics hold in float32: "
-                "scale the rewards down")
+        return (f"advantages are not finite for completions {_rows(bad.flatten())} (groups "
+                f"{_rows(bad.any(1))}); the rewards reach |r| = {top:.3g}, beyond what the advantage's group "
+                "statistics hold in float32: scale the rewards down")
     return None
 
 
@@ -84,10 +85,10 @@ def count_skipped(state: Any, problem: str | None, max_in_a_row: int) -> None:
     warnings.warn(f"step {state.step + 1} skipped, weights unchanged: {problem}", stacklevel=3)
     if state.skipped_in_a_row >= max_in_a_row:
         raise NonFiniteError(
-            f"{state.skipped_in_a_row} steps in a row were skipped for non-finite values (the last: {problem}); "
-            f"the weights are those after step {state.step - state.skipped_in_a_row + 1} and nothing "
-            "non-finite was saved: fix the reward or the settings named above, then resume from the last "
-            "checkpoint")
+            f"{state.skipped_in_a_row} steps in a row were skipped for non-finite values (the last: "
+            f"{problem}); the weights are those after step {state.step - state.skipped_in_a_row + 1} and "
+            "nothing non-finite was saved: fix the reward or the settings named above, then resume from the "
+            "last checkpoint")
 
 
 def check_finite_weights(model: nn.Module, path: Any, world: Any) -> None:

@@ -44,7 +44,8 @@ class MetricsLogger:
         if progress_bar:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc="grpo", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="grpo", unit="step",
+                             dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, Any], *, write: bool = True) -> None:
         """Records the metrics of ``step`` (the JSONL line only when ``write``)."""
@@ -134,7 +135,8 @@ def rollout_metrics(batch: RolloutBatch, rewards: RewardOutput) -> dict[str, flo
         metrics[f"reward/{name}/std"] = applies.std().item() if applies.numel() > 1 else 0.0
         if applies.numel() < scores.numel():
             metrics[f"reward/{name}/none"] = float(scores.numel() - applies.numel())
-    for name, count in rewards.errors.items():  # samples scored 0 because their reward failed (on_reward_error)
+    # samples scored 0 because their reward failed (on_reward_error)
+    for name, count in rewards.errors.items():
         metrics[f"reward/{name}/errors"] = float(count)
     return metrics
 
@@ -152,7 +154,7 @@ def step_metrics(whole: Rollout, state: Any, *, loss: dict[str, float], seconds:
     metrics["tokens/generated_per_s"] = metrics["tokens/generated"] / max(metrics["time/sample_s"], 1e-9)
     if metrics["zero_std_fraction"] == 1.0 and not state.zero_std_warned:
         state.zero_std_warned = True
-        warnings.warn(f"step {state.step}: every group has identical rewards, so every advantage is 0 and this "
-                      "step does not change the policy. If this persists, make the task easier or the reward "
-                      "denser, or raise group_size / temperature.", stacklevel=3)
+        warnings.warn(f"step {state.step}: every group has identical rewards, so every advantage is 0 and "
+                      "this step does not change the policy. If this persists, make the task easier or the "
+                      "reward denser, or raise group_size / temperature.", stacklevel=3)
     return metrics

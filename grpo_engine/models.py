@@ -48,7 +48,8 @@ def load_model(name_or_path: str | Path, *, dtype: str = "float32", plan=None):
     return model, tokenizer
 
 
-def load_policy(model: str | Path | nn.Module, tokenizer: Any, plan: Any, world: Any) -> tuple[nn.Module, Any]:
+def load_policy(model: str | Path | nn.Module, tokenizer: Any, plan: Any,
+                world: Any) -> tuple[nn.Module, Any]:
     """The policy to train and its tokenizer: ``model`` loaded when it is a folder or hub id, put on this
     rank's device (``grpo_engine.distributed.place_model``), and prepared by the ``MemoryPlan`` ``plan``
     (dtype, 4-bit base, LoRA, checkpointing).
@@ -64,6 +65,7 @@ def load_policy(model: str | Path | nn.Module, tokenizer: Any, plan: Any, world:
         model, loaded_tokenizer = load_model(model, plan=plan)
         tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
     if tokenizer is None:
-        raise ValueError("a model object needs its tokenizer: pass GRPOTrainer(model, ..., tokenizer=tokenizer)")
+        raise ValueError("a model object needs its tokenizer: pass GRPOTrainer(model, ..., "
+                         "tokenizer=tokenizer)")
     model = place_model(model, world, loaded_here=loaded_here, quantized=plan.quantization is not None)
     return prepare_model(model, plan), tokenizer

@@ -21,7 +21,7 @@ from typing import Any
 
 from grpo_engine.advantages import RLOO, GroupNormalized, MeanBaseline
 from grpo_engine.losses import CISPO, GSPO, ClippedSurrogate, KLPenalty
-from grpo_engine.protocols import AdvantageFn, GRPOLoss, GroupFilter, RewardFn
+from grpo_engine.protocols import AdvantageFn, GroupFilter, GRPOLoss, RewardFn
 from grpo_engine.rewards.length import OverlongPenalty
 from grpo_engine.sampling.dynamic import DynamicSampling
 
@@ -52,8 +52,9 @@ class Recipe:
 
 def grpo(kl_coef: float = 0.04, clip_eps: float = 0.2) -> Recipe:
     """GRPO as in DeepSeekMath: z-scored group advantages, per-sequence mean, k3 KL in the loss."""
-    return Recipe(GroupNormalized(), ClippedSurrogate(clip_eps_low=clip_eps, aggregation="sequence",
-                                                      terms=(KLPenalty(kl_coef, "k3"),) if kl_coef > 0 else ()))
+    return Recipe(GroupNormalized(),
+                  ClippedSurrogate(clip_eps_low=clip_eps, aggregation="sequence",
+                                   terms=(KLPenalty(kl_coef, "k3"),) if kl_coef > 0 else ()))
 
 
 def dr_grpo(max_completion_tokens: int, clip_eps: float = 0.2) -> Recipe:

@@ -70,7 +70,13 @@ class GroupFilter(Protocol):
 
 @runtime_checkable
 class RewardFn(Protocol):
-    """Scores completions; ``prompts[i]`` is the prompt of ``completions[i]``."""
+    """Scores completions; ``prompts[i]`` is the prompt of ``completions[i]``.
+
+    Three optional members, read where present: ``score_rollout(batch) -> [N]`` scores a
+    ``RolloutBatch`` instead of the call (rewards on tokens, ``OverlongPenalty``); ``check(prompt) ->
+    str | None`` says why a training prompt cannot be scored (``Reward.check``; the trainer asks when
+    it is built); ``allows_none = True`` lets a score be NaN, "does not apply" (``FunctionReward``).
+    """
 
     name: str
     weight: float

@@ -22,12 +22,13 @@ def _require(module: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"report_to={extra!r} needs the {module} package: pip install 'grpo_engine[{extra}]' "
-                          f"(or pip install {module})") from exc
+        raise ImportError(f"report_to={extra!r} needs the {module} package: pip install "
+                          f"'grpo_engine[{extra}]' (or pip install {module})") from exc
 
 
 def _run_config(trainer: Any) -> dict[str, Any]:
-    return {"config": trainer.config.model_dump(mode="json"), "memory": trainer.memory.model_dump(mode="json")}
+    return {"config": trainer.config.model_dump(mode="json"),
+            "memory": trainer.memory.model_dump(mode="json")}
 
 
 class TensorBoardLogger(Callback):
@@ -93,8 +94,8 @@ class WandbLogger(_RunLogger):
 
     def on_train_start(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
         wandb = _require("wandb", "wandb")
-        self.run = wandb.init(project=self.project, dir=trainer.config.output_dir, config=_run_config(trainer),
-                              **self.init_kwargs)
+        self.run = wandb.init(project=self.project, dir=trainer.config.output_dir,
+                              config=_run_config(trainer), **self.init_kwargs)
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)

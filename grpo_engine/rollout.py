@@ -68,18 +68,21 @@ class Rollouts:
         if not mine:
             return None
         with timer("sample"), self.parallel.whole_weights():
-            batch = self.sampler.sample(mine, group_size=self.group_size, temperature=temperature, draws=draws)
+            batch = self.sampler.sample(mine, group_size=self.group_size, temperature=temperature,
+                                        draws=draws)
         with timer("reward"):
             rewards = self.score(batch)
             uncertainty = self.entropy(batch, rewards) if self.entropy is not None else None
         return Rollout(batch, rewards, uncertainty)
 
     def _filtered(self, prompts: Sequence[Prompt], temperature: float, timer: StageTimer) -> StepRollout:
-        """Rounds of sampling until ``len(prompts)`` groups with a signal are kept (see the module docstring)."""
+        """Rounds of sampling until ``len(prompts)`` groups with a signal are kept (see the module
+        docstring)."""
         need, kept, rounds, parts, todo = len(prompts), 0, 0, [], list(prompts)
         while True:
             part = self._round(todo, temperature, timer)
-            signal = self.group_filter.keep(part.rewards) if part is not None else torch.zeros(0, dtype=torch.bool)
+            signal = (self.group_filter.keep(part.rewards) if part is not None
+                      else torch.zeros(0, dtype=torch.bool))
             shares = self.parallel.world.gather_objects(signal.tolist())  # the round's groups, in rank order
             every = torch.tensor([flag for share in shares for flag in share], dtype=torch.bool)
             take = every & (every.long().cumsum(0) <= need - kept)  # the first ones still missing

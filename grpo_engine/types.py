@@ -496,8 +496,8 @@ class Requirements:
             if getattr(self, name) and value is None:
                 problems.append(f"needs batch.{name} [n, C], which is None")
             elif getattr(self, name) and tuple(value.shape) != shape:
-                problems.append(f"needs one value per token: batch.{name} shape {tuple(value.shape)} must equal "
-                                f"logprobs shape {shape}")
+                problems.append(f"needs one value per token: batch.{name} shape {tuple(value.shape)} must "
+                                f"equal logprobs shape {shape}")
         return problems
 
 

@@ -53,8 +53,9 @@ def main() -> None:
                         progress_bar=False, seed=7)
     callbacks = [KillAfterSave(args.kill_after)]  # always: a resumed run needs the same callbacks
     trainer = GRPOTrainer(tiny_llama(len(tok), seed=7), [DigitShare()], PROMPTS, config,
-                          MemoryPlan(lora=LoRA(r=4, alpha=8), micro_batch_size=4), tokenizer=tok, template=TEMPLATE,
-                          callbacks=callbacks, resume_from="latest" if args.resume else None)
+                          MemoryPlan(lora=LoRA(r=4, alpha=8), micro_batch_size=4), tokenizer=tok,
+                          template=TEMPLATE, callbacks=callbacks,
+                          resume_from="latest" if args.resume else None)
     trainer.train()
     print("resumed from", trainer.resumed_from)
 

@@ -16,7 +16,8 @@ from grpo_engine.advantages import (
 )
 from grpo_engine.protocols import AdvantageFn
 
-ALL = [GroupNormalized(), GroupNormalized(std_scope="batch"), MeanBaseline(), RLOO(), ReinforcePlusPlusBaseline()]
+ALL = [GroupNormalized(), GroupNormalized(std_scope="batch"), MeanBaseline(), RLOO(),
+       ReinforcePlusPlusBaseline()]
 IDS = ["group", "batch", "mean", "rloo", "rpp"]
 
 
@@ -142,7 +143,8 @@ def test_rloo_is_mean_baseline_times_g_over_g_minus_1():
     """Dr. GRPO App. A: (G / (G - 1)) · (r - mean r) == r - mean of the others."""
     for g in (2, 3, 8):
         rewards = torch.randn(5, g, generator=torch.Generator().manual_seed(g), dtype=torch.float64)
-        torch.testing.assert_close(RLOO()(rewards), g / (g - 1) * MeanBaseline()(rewards), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(RLOO()(rewards), g / (g - 1) * MeanBaseline()(rewards), rtol=1e-12,
+                                   atol=1e-12)
 
 
 def test_rloo_matches_fp64_reference():
@@ -202,7 +204,8 @@ def test_equal_groups_are_exactly_zero(fn):
 
 @pytest.mark.parametrize("fn", ALL, ids=IDS)
 def test_shapes_and_dtypes(fn):
-    for dtype, want in ((torch.int64, torch.float32), (torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+    for dtype, want in ((torch.int64, torch.float32), (torch.bfloat16, torch.float32),
+                        (torch.float64, torch.float64)):
         adv = fn(torch.tensor([[1, 0, 0], [2, 0, 1]]).to(dtype))
         assert adv.shape == (2, 3) and adv.dtype == want
 

@@ -49,7 +49,8 @@ def _check_engine(result: dict, completion_tokens: int) -> None:
     # every completion ran to the limit: EOS is outside the model's vocabulary
     assert result["completion_tokens"] == [completion_tokens, completion_tokens]
     stages = result["stages"]
-    assert set(stages) == {"generation_s", "reward_s", "logprobs_s", "loss_backward_s", "optimizer_s", "other_s"}
+    assert set(stages) == {"generation_s", "reward_s", "logprobs_s", "loss_backward_s", "optimizer_s",
+                           "other_s"}
     assert sum(stages.values()) == pytest.approx(result["step_s"], rel=1e-6)
     assert stages["generation_s"] > 0 and stages["loss_backward_s"] > 0 and stages["optimizer_s"] > 0
     assert stages["logprobs_s"] < 0.01 * result["step_s"]  # mu = 1, no KL: no no-grad log-prob pass runs
@@ -124,7 +125,8 @@ def test_run_worker_reads_the_tagged_line_and_logs_the_rest(tmp_path):
     """The result is the last tagged stdout line; stderr and the other stdout lines go to the log."""
     log = tmp_path / "run.log"
     code = ("import os, sys; print('a progress line'); print('BENCHMARK_RESULT {\"x\": 1}'); "
-            "print('BENCHMARK_RESULT {\"x\": 2, \"launched\": ' + os.environ['BENCHMARK_LAUNCHED_AT'] + '}'); "
+            "print('BENCHMARK_RESULT {\"x\": 2, \"launched\": ' "
+            "+ os.environ['BENCHMARK_LAUNCHED_AT'] + '}'); "
             "print('a warning', file=sys.stderr)")
     result, error = _harness.run_worker("ours", ["-c", code], timeout=60, log=log)
     assert error is None and result["x"] == 2 and result["launched"] > 0
@@ -137,7 +139,8 @@ def test_run_worker_reads_the_tagged_line_and_logs_the_rest(tmp_path):
 
 def test_run_worker_reports_a_failure_with_its_exit_status_and_output_tail(tmp_path):
     code = "import sys; print('x' * 5000, file=sys.stderr); print('boom', file=sys.stderr); sys.exit(3)"
-    result, error = _harness.run_worker("trl", ["-c", code], timeout=60)  # no log: the output is kept for the error
+    # no log: the output is kept for the error
+    result, error = _harness.run_worker("trl", ["-c", code], timeout=60)
     assert result is None
     head, tail = error.split("\n", 1)
     assert head == "trl: worker failed (exit 3):"
@@ -149,8 +152,8 @@ def test_run_worker_reports_a_failure_with_its_exit_status_and_output_tail(tmp_p
 
 def test_run_worker_stops_a_worker_at_its_time_limit(tmp_path):
     log = tmp_path / "run.log"
-    result, error = _harness.run_worker("ours", ["-c", "import time; print('started', flush=True); time.sleep(60)"],
-                                        timeout=2, log=log)
+    result, error = _harness.run_worker("ours", ["-c", "import time; print('started', flush=True); "
+                                                       "time.sleep(60)"], timeout=2, log=log)
     assert result is None and error == f"ours: worker timed out after 2 s (log: {log})"
     assert log.read_text().endswith("--- ours: stdout\nstarted\n--- ours: killed: timed out\n")
 
@@ -162,7 +165,8 @@ def test_worker_env_is_offline_and_finds_the_repository():
 
 
 def test_schedule_alternates_and_rotates():
-    """perf: ours, trl, ours, trl; learning: ours trl, trl ours (by seed); the ablation: arm k first in round k."""
+    """perf: ours, trl, ours, trl; learning: ours trl, trl ours (by seed); the ablation: arm k first in
+    round k."""
     assert _harness.schedule(("ours", "trl"), range(2), rotate=False) == [
         (0, "ours"), (0, "trl"), (1, "ours"), (1, "trl")]
     assert _harness.schedule(("ours", "trl"), range(2, 4), rotate=True) == [
@@ -182,7 +186,8 @@ def test_write_report_replaces_the_file_and_leaves_nothing_else(tmp_path):
     path = tmp_path / "r.json"
     _harness.write_report(path, {"a": 1})
     _harness.write_report(path, {"a": 2, "b": [None]})
-    assert json.loads(path.read_text()) == {"a": 2, "b": [None]} and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    assert (json.loads(path.read_text()) == {"a": 2, "b": [None]}
+            and [p.name for p in tmp_path.iterdir()] == ["r.json"])
 
 
 def test_summary_helpers_skip_missing_values():

@@ -30,7 +30,8 @@ def test_example_config_is_a_valid_run_file(capsys):
 
 def test_bad_config_lists_every_problem_and_exits_2(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
-    path.write_text("model: x\ntrain_prompts: {function: a.b}\nrewards: []\nconfig: {group_size: 1, tempreature: 1}\n")
+    path.write_text("model: x\ntrain_prompts: {function: a.b}\nrewards: []\n"
+                    "config: {group_size: 1, tempreature: 1}\n")
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "config.group_size: group_size=1 makes every advantage 0" in err
@@ -72,7 +73,8 @@ def test_plan_prints_the_breakdown_and_a_plan_that_fits(capsys):
     assert main(["plan", "--model", "qwen2.5-1.5b", "--budget-gib", "8", "--completion-tokens", "1024"]) == 0
     out = capsys.readouterr().out
     assert "Without memory savings:" in out and "<- peak" in out and "Chosen for 8 GiB" in out
-    plan = MemoryPlan.from_yaml(out.split("memory:  # paste into the run file\n")[1].replace("\n  ", "\n")[2:])
+    plan = MemoryPlan.from_yaml(out.split("memory:  # paste into the run file\n")[1]
+                                .replace("\n  ", "\n")[2:])
     workload = Workload(prompts_per_step=4, group_size=8, prompt_tokens=256, completion_tokens=1024)
     assert estimate_memory("qwen2.5-1.5b", plan, workload).peak_gib * 1.15 <= 8
 

@@ -36,11 +36,13 @@ def test_unknown_fields_are_errors_with_a_suggestion():
 
 def test_python_errors_name_the_field_the_rule_and_trl_names_without_links():
     with pytest.raises(ConfigError) as info:
-        GRPOConfig(num_generations=4, max_completion_length=64, beta=0.04, grup_size=3, prompts_per_step="four")
+        GRPOConfig(num_generations=4, max_completion_length=64, beta=0.04, grup_size=3,
+                   prompts_per_step="four")
     text = str(info.value)
     assert text.splitlines() == [
         "5 problem(s) in GRPOConfig:",
-        "  - prompts_per_step: Input should be a valid integer, unable to parse string as an integer (got 'four')",
+        "  - prompts_per_step: Input should be a valid integer, unable to parse string as an integer "
+        "(got 'four')",
         "  - num_generations: unknown field; TRL's num_generations is group_size here",
         "  - max_completion_length: unknown field; TRL's max_completion_length is max_completion_tokens here",
         "  - beta: unknown field; TRL's beta is the KL coefficient of the loss here: "

@@ -7,8 +7,8 @@ import torch
 from grpo_engine import GRPOConfig, GRPOTrainer, MemoryPlan, Requirements
 from grpo_engine.callbacks import Callback
 from grpo_engine.losses import ClippedSurrogate
-from grpo_engine.protocols import GRPOLoss, GroupFilter, PromptSource, RewardTransform, Sampler
-from grpo_engine.types import LossOutput, RewardOutput
+from grpo_engine.protocols import GroupFilter, GRPOLoss, LossTerm, PromptSource, RewardTransform, Sampler
+from grpo_engine.types import LossOutput, MicroBatch, RewardOutput
 from tests.test_trainer import PROMPTS, TEMPLATE, DigitShare, grads, sample_with_advantages
 from tests.tiny import char_tokenizer, tiny_llama
 
@@ -27,12 +27,13 @@ class Reinforce:
         return LossOutput(torch.where(mask, per_token, 0.0).sum() / num_valid_tokens)
 
 
-def trainer_with(tmp_path, loss, max_steps=2, **kw):
+def trainer_with(tmp_path, loss, max_steps=2, memory=None, **kw):
     tok = char_tokenizer()
     config = GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=max_steps,
                         learning_rate=1e-2, output_dir=str(tmp_path), progress_bar=False)
-    return GRPOTrainer(tiny_llama(len(tok)), [DigitShare()], PROMPTS, config, MemoryPlan(micro_batch_size=3),
-                       tokenizer=tok, template=TEMPLATE, loss=loss, **kw)
+    memory = memory or MemoryPlan(micro_batch_size=3)
+    return GRPOTrainer(tiny_llama(len(tok)), [DigitShare()], PROMPTS, config, memory, tokenizer=tok,
+                       template=TEMPLATE, loss=loss, **kw)
 
 
 def test_a_loss_written_from_the_protocol_trains_and_equals_the_on_policy_surrogate(tmp_path):
@@ -48,6 +49,55 @@ def test_a_loss_written_from_the_protocol_trains_and_equals_the_on_policy_surrog
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     metrics = ours.step()
     assert metrics["grad_norm"] > 0 and set(metrics) >= {"loss", "reward/mean", "lr"}
+
+
+class SquaredDistance:
+    """The loss term of the LossTerm docstring, written from it alone: a penalty 0.1 · (logp - ref)²."""
+
+    requires = Requirements(ref_logprobs=True)
+
+    def __call__(self, tokens, batch):
+        diff = tokens.logprobs - batch.ref_logprobs
+        penalty = torch.where(tokens.mask, 0.1 * diff ** 2, 0.0)
+        return tokens.replace(penalty=tokens.penalty + penalty)
+
+
+def test_a_loss_term_written_from_the_protocol_adds_its_penalty_and_its_needs():
+    """Token aggregation, one row, A = 0 (no policy term): logp = [-1, -2], ref = [-1.5, -2], so the
+    penalty is 0.1 · [0.25, 0] and the loss their token mean 0.0125; d/dlogp = 0.1 · 2 · [0.5, 0] / 2."""
+    assert isinstance(SquaredDistance(), LossTerm)
+    loss_fn = ClippedSurrogate(aggregation="token", terms=(SquaredDistance(),))
+    assert loss_fn.requires.ref_logprobs and not ClippedSurrogate().requires.ref_logprobs
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    batch = MicroBatch(torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, dtype=torch.float64),
+                       ref_logprobs=torch.tensor([[-1.5, -2.0]], dtype=torch.float64))
+    out = loss_fn(logp, batch, num_valid_tokens=2, num_sequences=1)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(0.0125, abs=1e-15)
+    assert logp.grad[0].tolist() == pytest.approx([0.05, 0.0], abs=1e-15)
+    with pytest.raises(ValueError, match=r"SquaredDistance object at .* needs batch.ref_logprobs \[n, C\], which "
+                                         r"is None"):
+        loss_fn(logp, MicroBatch(batch.completion_mask, batch.advantages), num_valid_tokens=2, num_sequences=1)
+    with pytest.raises(ValueError, match="neither a RowFilter .* nor a LossTerm"):
+        ClippedSurrogate(terms=("kl",))
+
+
+def test_a_trainer_computes_what_a_users_loss_term_needs_and_trains_with_it(tmp_path):
+    from grpo_engine import LoRA
+
+    lora = MemoryPlan(lora=LoRA(r=4, alpha=8), micro_batch_size=3)
+    with_term = trainer_with(tmp_path, ClippedSurrogate(terms=(SquaredDistance(),)), memory=lora)
+    plain = trainer_with(tmp_path, ClippedSurrogate(), memory=lora)
+    assert with_term.reference is not None and plain.reference is None  # the term's ref_logprobs
+    first = with_term.step()  # LoRA starts at the reference: no distance yet
+    for name, p in with_term.model.named_parameters():
+        dict(plain.model.named_parameters())[name].data.copy_(p.data)  # the same policy for both
+    batch, advantages = sample_with_advantages(with_term)
+    _, ref = with_term._no_grad_logprobs(batch)
+    assert first["grad_norm"] > 0 and ref is not None
+    with_term.compute_gradients(batch, advantages, ref_logprobs=ref)
+    plain.compute_gradients(batch, advantages)
+    assert max(float((a - b).abs().max()) for a, b in zip(grads(with_term), grads(plain))) > 1e-6
 
 
 def test_what_a_loss_declares_is_what_the_trainer_computes(tmp_path):

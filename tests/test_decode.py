@@ -33,7 +33,8 @@ def test_sample_categorical_matches_the_probabilities_and_never_draws_a_zero():
     probs = torch.zeros(vocab)
     probs[[0, 5, BLOCK - 1, BLOCK, 300, vocab - 2]] = torch.tensor([0.3, 0.1, 0.15, 0.05, 0.25, 0.15])
     probs[vocab - 1] = 0.0  # zero at both ends and beside every drawn id
-    draws = torch.cat([sample_categorical(probs.expand(20_000, vocab) * 7.0) for _ in range(10)])  # unnormalised
+    # unnormalised
+    draws = torch.cat([sample_categorical(probs.expand(20_000, vocab) * 7.0) for _ in range(10)])
     counts = torch.bincount(draws, minlength=vocab).double()
     assert counts[probs == 0].sum() == 0
     expected = probs.double() * len(draws)
@@ -55,12 +56,14 @@ def test_first_tokens_follow_the_temperature_scaled_distribution():
     model = tiny_llama(len(tok), hidden=16)
     with torch.no_grad():
         model.lm_head.weight.mul_(12.0)  # a peaked distribution: a few ids carry most of the mass
-    sampler = HFSampler(model, tok, template=PlainTemplate("{question}"), max_completion_tokens=1, temperature=0.7)
+    sampler = HFSampler(model, tok, template=PlainTemplate("{question}"), max_completion_tokens=1,
+                        temperature=0.7)
     torch.manual_seed(0)
     batch = sampler.sample([Prompt("12+", "x")], group_size=12_000)
     ids, mask = sampler.encode_prompts([Prompt("12+", "x")])
     with torch.no_grad():
-        probs = torch.softmax(model(input_ids=ids, attention_mask=mask.long()).logits[0, -1].double() / 0.7, -1)
+        probs = torch.softmax(
+            model(input_ids=ids, attention_mask=mask.long()).logits[0, -1].double() / 0.7, -1)
     counts = torch.bincount(batch.completion_ids[:, 0], minlength=len(probs)).double()
     expected = probs * 12_000
     assert probs.max() < 0.9 and (probs > 0.01).sum() >= 3  # the test can tell distributions apart
@@ -108,7 +111,8 @@ def test_greedy_decode_equals_generate_with_rows_leaving_at_their_eos():
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     ids, mask, eos = prompts_and_eos(model, tok)
-    out, logprobs = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
+    out, logprobs = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0,
+                           draw=GREEDY)
     reference = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=False, max_new_tokens=10,
                                eos_token_id=eos, pad_token_id=0)[:, ids.shape[1]:]
     assert logprobs is None and out.shape == (3, 10)
@@ -124,7 +128,8 @@ def test_decode_without_row_removal_gives_the_same_ids(monkeypatch):
     ids, mask, eos = prompts_and_eos(model, tok)
     pruned, _ = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
     supports = decode_module._supports
-    monkeypatch.setattr(decode_module, "_supports", lambda cache, m: m != "batch_select_indices" and supports(cache, m))
+    monkeypatch.setattr(decode_module, "_supports",
+                        lambda cache, m: m != "batch_select_indices" and supports(cache, m))
     kept, _ = decode(model, ids, mask, repeats=1, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
     assert torch.equal(pruned, kept)
 
@@ -134,8 +139,8 @@ def test_a_shared_prefill_equals_one_prefill_per_row():
     model = tiny_llama(len(tok))
     ids, mask, eos = prompts_and_eos(model, tok)
     shared, _ = decode(model, ids, mask, repeats=3, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
-    rows, _ = decode(model, ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0), repeats=1, max_new_tokens=10,
-                     eos_ids=[eos], pad_id=0, draw=GREEDY)
+    rows, _ = decode(model, ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0), repeats=1,
+                     max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=GREEDY)
     assert torch.equal(shared, rows)
     assert torch.equal(shared[0], shared[2]) and not torch.equal(shared[0], shared[3])
 

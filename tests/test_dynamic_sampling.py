@@ -93,7 +93,8 @@ def test_keeps_informative_groups_and_tops_up_with_fresh_prompts():
 def test_bounded_rounds_and_nothing_informative():
     script = Script([[[1, 1], [0, 0]]] * 2)
     batch = draw(script, 2, max_rounds=2).batch
-    assert batch.metrics["dynamic_sampling/groups_kept"] == 0 and batch.metrics["dynamic_sampling/rounds"] == 2
+    assert (batch.metrics["dynamic_sampling/groups_kept"] == 0
+            and batch.metrics["dynamic_sampling/rounds"] == 2)
     assert trained(batch) == ["p2", "p3"]  # the last round, as is (every advantage 0)
     with pytest.raises(ValueError, match="max_rounds=0 must be >= 1"):
         DynamicSampling(max_rounds=0)
@@ -108,7 +109,8 @@ def test_concat_repads_prompts_left_and_completions_right():
     assert torch.equal(both.prompt_ids[:2, 2:], a.prompt_ids)
     assert both.completion_mask[2:].tolist() == [[True, True, True, False, False]] * 2
     assert torch.equal(both.sampler_logprobs[2:, :3], b.sampler_logprobs)
-    picked = Rollout(both, RewardOutput(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))).select_groups(torch.tensor([1]))
+    picked = Rollout(both, RewardOutput(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))).select_groups(
+        torch.tensor([1]))
     assert torch.equal(picked.batch.completion_ids, both.completion_ids[2:])
     assert picked.rewards.total.tolist() == [[0, 1]]
 
@@ -123,6 +125,7 @@ def test_filter_on_one_reward_of_the_breakdown():
     # a reward that returned None (NaN) for a sample: the group's spread is undefined, and NaN != x would
     # have called it informative
     nan = float("nan")
-    with pytest.raises(ValueError, match=r"DynamicSampling\(key='acc'\): the reward 'acc' returned None for 1 of 4 "
-                                         r"samples .* name a reward that scores every sample"):
-        draw(Script([[[0.9, 1.0], [1.0, 0.0]]], breakdown=[[1.0, nan], [1.0, 0.0]]), 2, max_rounds=1, key="acc")
+    with pytest.raises(ValueError, match=r"DynamicSampling\(key='acc'\): the reward 'acc' returned None "
+                                         r"for 1 of 4 samples .* name a reward that scores every sample"):
+        draw(Script([[[0.9, 1.0], [1.0, 0.0]]], breakdown=[[1.0, nan], [1.0, 0.0]]), 2, max_rounds=1,
+             key="acc")

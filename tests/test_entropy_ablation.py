@@ -49,10 +49,12 @@ def test_each_arm_installs_its_component_and_only_it(arm, tmp_path):
     spec = ablation.Spec(model="unused", arm=arm, seed=3, steps=1, **SMALL)
     train, _ = arithmetic_task(spec.num_train, spec.num_test, seed=spec.task_seed)
     trainer = ablation.build_trainer(spec, tiny_llama(len(tokenizer)), tokenizer, train,
-                                     ChatTemplate(instruction=spec.instruction), MathAccuracy(), str(tmp_path))
+                                     ChatTemplate(instruction=spec.instruction), MathAccuracy(),
+                                     str(tmp_path))
     assert trainer.config.seed == 3 and trainer.config.max_steps == 1
     assert trainer.advantage == (EntropyScaled() if arm == "entropy_scaled" else GroupNormalized())
-    expected_loss = ClippedSurrogate(top_entropy_quantile=0.2) if arm == "top_entropy_tokens" else ClippedSurrogate()
+    expected_loss = (ClippedSurrogate(top_entropy_quantile=0.2) if arm == "top_entropy_tokens"
+                     else ClippedSurrogate())
     assert trainer.loss == expected_loss
     controls = [c for c in trainer.callbacks if isinstance(c, AdaptiveTemperature)]
     assert len(controls) == (arm == "adaptive_temperature")
@@ -65,7 +67,8 @@ def test_each_arm_installs_its_component_and_only_it(arm, tmp_path):
     observed = trainer.entropy.take()
     assert 0.0 <= observed["semantic_entropy"] <= 1.0
     assert observed["semantic_entropy"] == pytest.approx(metrics["entropy/semantic_mean"])
-    assert observed["se_calls"] == 1  # once per step: the advantages, the controller and the curriculum share it
+    # once per step: the advantages, the controller and the curriculum share it
+    assert observed["se_calls"] == 1
     assert trainer.entropy.take()["se_calls"] == 0  # take() resets
     if arm == "top_entropy_tokens":  # trains the top 20% of tokens, even in groups with advantage 0
         assert 0.0 < metrics["high_entropy_fraction"] < 0.5
@@ -83,8 +86,9 @@ def test_each_arm_installs_its_component_and_only_it(arm, tmp_path):
 
 
 def _run(arm, seed, before, after, step_s, rewards=(0.25, 0.5)):
-    return {"arm": arm, "seed": seed, "before": before, "after": after, "steps": len(step_s), "train_s": sum(step_s),
-            "wall_s": 10.0, "curves": {"step_s": list(step_s), "reward": list(rewards)}}
+    return {"arm": arm, "seed": seed, "before": before, "after": after, "steps": len(step_s),
+            "train_s": sum(step_s), "wall_s": 10.0,
+            "curves": {"step_s": list(step_s), "reward": list(rewards)}}
 
 
 def test_summary_is_the_mean_over_seeds_and_checks_catch_a_broken_comparison():
@@ -97,7 +101,8 @@ def test_summary_is_the_mean_over_seeds_and_checks_catch_a_broken_comparison():
     assert base["after_std"] == pytest.approx(0.25 / 2**0.5)  # sample std of two values: |a - b| / sqrt(2)
     assert base["step_s"] == 3.5  # the median over every step of every seed
     assert summary["curriculum"]["after_std"] is None and summary["curriculum"]["after_mean"] == 0.375
-    assert ablation.checks(runs, steps=2) == ([], [])  # the curriculum's own prompt order may differ at step 1
+    # the curriculum's own prompt order may differ at step 1
+    assert ablation.checks(runs, steps=2) == ([], [])
     broken = runs + [{**_run("entropy_scaled", 0, 0.140625, 0.5, [1.0], rewards=(0.75,)), "code": "abc"}]
     problems, warnings_ = ablation.checks(broken, steps=2)
     assert len(problems) == 3 and problems[0].startswith("the workers imported different grpo_engine sources")
@@ -128,7 +133,8 @@ def test_end_to_end_in_worker_processes(tmp_path, capsys):
     assert report["code"] == [ablation.source_hash()]  # both workers ran the code of this tree
     for run in report["runs"]:
         assert run["steps"] == 1 and run["spec"]["task_seed"] == 0 and run["spec"]["threads"] == 1
-        assert len(run["curves"]["reward"]) == len(run["curves"]["semantic_entropy"]) == len(run["history"]) == 1
+        assert (len(run["curves"]["reward"]) == len(run["curves"]["semantic_entropy"]) == len(run["history"])
+                == 1)
     assert (out / "reward_curves.png").stat().st_size > 0
     for name in ("baseline-seed0", "top_entropy_tokens-seed0"):  # each worker's result and log
         assert json.loads((out / f"{name}.json").read_text()) in report["runs"]

@@ -85,7 +85,8 @@ def test_temperature_state_dict_round_trip():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(min_temperature=0.0), r"min_temperature=0.0, max_temperature=1.5 must satisfy 0 < min <= max"),
     (dict(initial=2.0), r"initial=2.0 must be within \[0.5, 1.5\]"),
-    (dict(step=0.0, collapse_entropy=0.9), r"step=0.0 must be > 0.*collapse_entropy=0.9, scatter_entropy=0.8"),
+    (dict(step=0.0, collapse_entropy=0.9),
+     r"step=0.0 must be > 0.*collapse_entropy=0.9, scatter_entropy=0.8"),
     (dict(collapse_fraction=1.0), r"collapse_fraction=1.0 must be in \[0, 1\)"),
 ])
 def test_temperature_validation(kwargs, message):
@@ -155,7 +156,8 @@ def test_revisits_are_informative_only_and_most_informative_first():
 def test_ties_go_to_higher_semantic_entropy_then_seeded_random():
     """Prompts 1 and 3 (accuracies 1/4 and 3/4) tie on distance to 1/2; SE breaks the tie."""
     def cur_with(se_of, seed=0):
-        cur = InformativeCurriculum(PROMPTS[:4], batch_size=2, seed=seed, revisit_fraction=0.5, cooldown_batches=0)
+        cur = InformativeCurriculum(PROMPTS[:4], batch_size=2, seed=seed, revisit_fraction=0.5,
+                                    cooldown_batches=0)
         cur.update([PROMPTS[1], PROMPTS[3]], T([0.25, 0.75]), se_of)
         return cur
 

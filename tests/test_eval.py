@@ -81,7 +81,8 @@ def test_final_answer_follows_math_accuracy():
 
 
 class Scripted(nn.Module):
-    """generate() returns scripted completions: greedy[q], or samples[q][j] for the j-th row of q in a call."""
+    """generate() returns scripted completions: greedy[q], or samples[q][j] for the j-th row of q in a
+    call."""
 
     def __init__(self, tokenizer, greedy, samples):
         super().__init__()
@@ -113,7 +114,8 @@ SCRIPT = {  # question: (target, greedy, 4 samples)
 
 def scripted_report(batch_size=8, **kwargs):
     tok = char_tokenizer()
-    model = Scripted(tok, {q: g for q, (_, g, _) in SCRIPT.items()}, {q: s for q, (_, _, s) in SCRIPT.items()})
+    model = Scripted(tok, {q: g for q, (_, g, _) in SCRIPT.items()},
+                     {q: s for q, (_, _, s) in SCRIPT.items()})
     prompts = [Prompt(q, target) for q, (target, _, _) in SCRIPT.items()]
     return evaluate(model, tok, prompts, MathAccuracy(), template=TEMPLATE, k=4, max_new_tokens=32,
                     batch_size=batch_size, progress=False, **kwargs)
@@ -154,7 +156,8 @@ def test_report_records_settings_and_prints_a_table():
 def test_greedy_only_and_sampled_only_report_what_ran():
     tok = char_tokenizer()
     model = Scripted(tok, {"two?": "2"}, {"two?": ["2"]})
-    only_greedy = evaluate(model, tok, [Prompt("two?", "2")], MathAccuracy(), template=TEMPLATE, progress=False)
+    only_greedy = evaluate(model, tok, [Prompt("two?", "2")], MathAccuracy(), template=TEMPLATE,
+                           progress=False)
     assert only_greedy.metrics == {"pass@1": 1.0} and only_greedy.items[0].sampled_completions == ()
     assert only_greedy.settings["temperature"] is None and "greedy" in only_greedy.table()
     sampled = evaluate(model, tok, [Prompt("two?", "2")], MathAccuracy(), template=TEMPLATE, greedy=False,
@@ -199,7 +202,8 @@ def test_greedy_pass_at_1_equals_greedy_accuracy(tiny_model, tokenizer):
 def test_sampling_is_seeded_and_leaves_the_callers_rng_alone(tiny_model, tokenizer):
     def run(seed):
         return evaluate(tiny_model, tokenizer, PROMPTS[:2], DigitShare(), template=TEMPLATE, k=3,
-                        max_new_tokens=4, batch_size=6, seed=seed, threshold=0.5, greedy=False, progress=False)
+                        max_new_tokens=4, batch_size=6, seed=seed, threshold=0.5, greedy=False,
+                        progress=False)
 
     torch.manual_seed(123)
     state = torch.get_rng_state()
@@ -208,20 +212,22 @@ def test_sampling_is_seeded_and_leaves_the_callers_rng_alone(tiny_model, tokeniz
     assert a.items == b.items and a.metrics == b.metrics
     assert [it.sampled_completions for it in a.items] != [it.sampled_completions for it in other.items]
     for it in a.items:  # the aggregates are the items' numbers
-        assert len(it.sampled_completions) == 3 and it.sampled_correct == tuple(s >= 0.5 for s in it.sampled_scores)
+        assert (len(it.sampled_completions) == 3
+                and it.sampled_correct == tuple(s >= 0.5 for s in it.sampled_scores))
     assert a.sampled_pass_at_1 == pytest.approx(sum(sum(it.sampled_correct) for it in a.items) / 6)
     assert a.pass_at_k == pytest.approx(sum(any(it.sampled_correct) for it in a.items) / 2)
     assert tiny_model.training is False
 
 
 def test_report_json_round_trip(tiny_model, tokenizer, tmp_path):
-    report = evaluate(tiny_model, tokenizer, PROMPTS[:3], DigitShare(), template=TEMPLATE, k=2, max_new_tokens=4,
-                      threshold=0.5, progress=False)
+    report = evaluate(tiny_model, tokenizer, PROMPTS[:3], DigitShare(), template=TEMPLATE, k=2,
+                      max_new_tokens=4, threshold=0.5, progress=False)
     path = report.to_json(tmp_path / "out" / "report.json")
     assert EvalReport.from_json(path) == report
     data = json.loads(path.read_text())
     assert set(data["metrics"]) == {"pass@1", "avg@2", "pass@2", "maj@2"} and data["settings"]["k"] == 2
-    assert data["items"][0]["question"] == PROMPTS[0].question and data["items"][0]["target"] == PROMPTS[0].target
+    assert (data["items"][0]["question"] == PROMPTS[0].question
+            and data["items"][0]["target"] == PROMPTS[0].target)
     assert [p.name for p in path.parent.iterdir()] == ["report.json"]  # no temporary file left behind
 
 
@@ -241,9 +247,10 @@ def test_cli_eval_writes_a_report(model_dir, tmp_path, capsys):
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"q": f"{a}+{a}", "a": str(2 * a)}) + "\n" for a in range(10, 20)))
     out = tmp_path / "report.json"
-    assert main(["eval", "--model", str(model_dir), "--dataset", "jsonl", "--data", str(data), "--question-field",
-                 "q", "--answer-field", "a", "--limit", "3", "--k", "2", "--max-new-tokens", "4", "--seed", "5",
-                 "--template-instruction", " =", "--device", "cpu", "--no-progress-bar", "--output", str(out)]) == 0
+    assert main(["eval", "--model", str(model_dir), "--dataset", "jsonl", "--data", str(data),
+                 "--question-field", "q", "--answer-field", "a", "--limit", "3", "--k", "2",
+                 "--max-new-tokens", "4", "--seed", "5", "--template-instruction", " =", "--device", "cpu",
+                 "--no-progress-bar", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "maj@2" in printed and f"report written to {out}" in printed
     report = EvalReport.from_json(out)
@@ -258,17 +265,19 @@ def test_cli_eval_applies_a_peft_adapter(model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     tok = char_tokenizer()
-    policy = get_peft_model(tiny_llama(len(tok)), LoraConfig(r=2, target_modules=["q_proj", "v_proj", "o_proj"]))
+    policy = get_peft_model(tiny_llama(len(tok)),
+                            LoraConfig(r=2, target_modules=["q_proj", "v_proj", "o_proj"]))
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 2.0)  # lora_B starts at 0 (identity); make the adapter matter
     policy.save_pretrained(tmp_path / "adapter")
     data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{a}+1", "answer": f"{a}+1=<<{a}+1={a + 1}>>{a + 1}\n#### "
+    data.write_text("".join(json.dumps({"question": f"{a}+1",
+                                        "answer": f"{a}+1=<<{a}+1={a + 1}>>{a + 1}\n#### "
                                         f"{a + 1}"}) + "\n" for a in range(5)))
-    common = ["eval", "--model", str(model_dir), "--dataset", "gsm8k", "--data", str(data), "--max-new-tokens", "4",
-              "--limit", "3", "--device", "cpu", "--no-progress-bar"]
+    common = ["eval", "--model", str(model_dir), "--dataset", "gsm8k", "--data", str(data),
+              "--max-new-tokens", "4", "--limit", "3", "--device", "cpu", "--no-progress-bar"]
     assert main([*common, "--adapter", str(tmp_path / "adapter"), "--output", str(tmp_path / "a.json")]) == 0
     assert main([*common, "--output", str(tmp_path / "b.json")]) == 0
     with_adapter, base = EvalReport.from_json(tmp_path / "a.json"), EvalReport.from_json(tmp_path / "b.json")
@@ -287,7 +296,8 @@ def test_cli_eval_data_errors_exit_2(model_dir, tmp_path, capsys, monkeypatch):
 
     def offline(source, split):
         calls.append((source, split))
-        raise DataError("could not load GSM8K split 'test' from the hub (offline); when offline, pass the local file")
+        raise DataError("could not load GSM8K split 'test' from the hub (offline); "
+                        "when offline, pass the local file")
 
     monkeypatch.setattr(loaders, "_hub_records", offline)
     common = ["--model", str(model_dir), "--output", str(tmp_path / "r.json")]
@@ -306,8 +316,8 @@ def test_cli_eval_data_errors_exit_2(model_dir, tmp_path, capsys, monkeypatch):
 
 def make_trainer(tmp_path, callbacks=(), **config):
     tok = char_tokenizer()
-    defaults = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=4, learning_rate=1e-2,
-                    output_dir=str(tmp_path), progress_bar=False)
+    defaults = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=4,
+                    learning_rate=1e-2, output_dir=str(tmp_path), progress_bar=False)
     return GRPOTrainer(tiny_llama(len(tok)), [DigitShare()], PROMPTS, tokenizer=tok, template=TEMPLATE,
                        config=GRPOConfig(**{**defaults, **config}), memory=MemoryPlan(micro_batch_size=8),
                        callbacks=callbacks)
@@ -323,7 +333,8 @@ def test_trainer_evaluate_uses_its_template_and_token_limit(tmp_path):
     trainer.evaluate = lambda prompts, **kw: calls.append(kw) or real(prompts, **kw)
     HeldOutEval(prompts, every_steps=1).on_step_end(trainer, trainer.state, trainer.control, metrics={})
     assert calls == [{"reward": None, "max_new_tokens": None}]  # the trainer's defaults: its first reward, C
-    assert real(prompts, max_new_tokens=5) == real(prompts, reward=trainer.rewards.rewards[0], max_new_tokens=5)
+    assert real(prompts, max_new_tokens=5) == real(prompts, reward=trainer.rewards.rewards[0],
+                                                   max_new_tokens=5)
 
 
 def test_trainer_logs_eval_every_n_steps(tmp_path):
@@ -342,8 +353,8 @@ def test_trainer_logs_eval_every_n_steps(tmp_path):
 
 def test_eval_lines_reach_metrics_jsonl_and_do_not_change_training(tmp_path):
     # build and train one after the other: a trainer seeds the global RNG when it is built
-    history = make_trainer(tmp_path / "a", callbacks=[HeldOutEval(PROMPTS[:2], every_steps=1)], log_every_steps=2,
-                           max_steps=3).train()
+    history = make_trainer(tmp_path / "a", callbacks=[HeldOutEval(PROMPTS[:2], every_steps=1)],
+                           log_every_steps=2, max_steps=3).train()
     reference = make_trainer(tmp_path / "b", log_every_steps=2, max_steps=3).train()
     lines = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]  # eval steps are written even off log_every_steps

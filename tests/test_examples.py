@@ -56,7 +56,8 @@ def test_saved_tiny_model_reloads_identically(tiny_folder):
     assert len(ids) == len(text)  # still one token per character
     assert reloaded_tok.decode(ids) == text
     assert reloaded_tok.chat_template == tokenizer.chat_template
-    assert (reloaded_tok.pad_token_id, reloaded_tok.eos_token_id) == (tokenizer.pad_token_id, tokenizer.eos_token_id)
+    assert ((reloaded_tok.pad_token_id, reloaded_tok.eos_token_id)
+            == (tokenizer.pad_token_id, tokenizer.eos_token_id))
     assert reloaded.generation_config.eos_token_id == tokenizer.eos_token_id
     for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

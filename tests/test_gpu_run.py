@@ -21,16 +21,16 @@ import _measure  # noqa: E402
 import slim_wheel  # noqa: E402
 import summary  # noqa: E402
 
-FILES = {"run.log", "preflight.json", "decode_check.json", "gpu-1.5b.json", "gpu-1.5b-8gib.json", "gpu-0.5b.json",
-         "gpu-7b-qlora.json", "summary.txt"}
+FILES = {"run.log", "preflight.json", "decode_check.json", "gpu-1.5b.json", "gpu-1.5b-8gib.json",
+         "gpu-0.5b.json", "gpu-7b-qlora.json", "summary.txt"}
 
 
 def run_script(out: Path, *args: str, extra_path: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     if extra_path:
         env["PYTHONPATH"] = extra_path + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=env)
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,8 @@ def test_mixed_precision_and_quantization_travel_into_the_smoke_run(smoke):
     assert half["ours"]["settings"]["weights_dtype"] == "float32"
     assert half["ours"]["settings"]["compute_dtype"] == "bfloat16"
     qlora = json.loads((smoke[0] / "gpu-7b-qlora.json").read_text())
-    assert qlora["spec"]["quantization"] == "nf4" and qlora["ours"]["settings"]["gradient_checkpointing"] is True
+    assert (qlora["spec"]["quantization"] == "nf4"
+            and qlora["ours"]["settings"]["gradient_checkpointing"] is True)
 
 
 def test_a_failed_preflight_stops_the_run_before_any_benchmark(tmp_path):
@@ -99,11 +100,14 @@ def test_summary_judges_each_goal_from_gpu_reports(tmp_path):
                 "peak_reserved_mib": reserved_gib * 1024, **extra}
 
     (tmp_path / "gpu-1.5b.json").write_text(json.dumps({
-        "device": "cuda", "ours": engine(2.0, 7.5, decode_roofline_fraction=0.45, predicted_over_measured=1.1),
-        "trl": engine(5.0, 30.0), "ratio_step_time": 0.4, "ratio_peak_memory": 0.4, "problems": [], "errors": []}))
+        "device": "cuda",
+        "ours": engine(2.0, 7.5, decode_roofline_fraction=0.45, predicted_over_measured=1.1),
+        "trl": engine(5.0, 30.0), "ratio_step_time": 0.4, "ratio_peak_memory": 0.4, "problems": [],
+        "errors": []}))
     (tmp_path / "gpu-0.5b.json").write_text(json.dumps({
         "device": "cuda", "ours": engine(1.0, 9.0, mfu=0.30, predicted_over_measured=0.8), "trl": None,
-        "ratio_step_time": None, "problems": [], "errors": ["trl: worker timed out after 110 s (its fixed limit)"]}))
+        "ratio_step_time": None, "problems": [],
+        "errors": ["trl: worker timed out after 110 s (its fixed limit)"]}))
     text = summary.summarize(tmp_path)
     assert "goal: step time ours / TRL <= 0.5 on gpu-1.5b: 0.40 (met)" in text
     assert "goal: step time ours / TRL <= 0.5 on gpu-0.5b: - (not measured)" in text
@@ -126,19 +130,20 @@ def test_decode_roofline_and_mfu_by_hand():
     assert r["achieved_bytes_per_s"] == pytest.approx((3.0e9 + 32 * 640 * 28_672) * 1024 / 2.0)
     assert r["fraction"] == pytest.approx(r["achieved_bytes_per_s"] / 4.3e12)
     # LoRA with checkpointing: 4N + 2N recomputed = 6N per token, attention 4 x (2 x layers x q x L)
-    m = _measure.training_mfu(matmul_params=10**9, layers=2, q_dim=100, trained_tokens=1000, sequence_tokens=50,
-                              full=False, checkpointing=True, train_s=2.0, peak_flops=1e13)
+    m = _measure.training_mfu(matmul_params=10**9, layers=2, q_dim=100, trained_tokens=1000,
+                              sequence_tokens=50, full=False, checkpointing=True, train_s=2.0,
+                              peak_flops=1e13)
     assert m["flops_per_token"] == 6 * 10**9 + 4 * 2 * 2 * 100 * 50
     assert m["mfu"] == pytest.approx(m["flops_per_token"] * 1000 / 2.0 / 1e13)
-    full = _measure.training_mfu(matmul_params=10**9, layers=2, q_dim=100, trained_tokens=1000, sequence_tokens=50,
-                                 full=True, checkpointing=False, train_s=2.0)
+    full = _measure.training_mfu(matmul_params=10**9, layers=2, q_dim=100, trained_tokens=1000,
+                                 sequence_tokens=50, full=True, checkpointing=False, train_s=2.0)
     assert full["flops_per_token"] == 6 * 10**9 + 3 * 2 * 2 * 100 * 50
 
 
 def test_slim_wheel_drops_members_and_their_record_lines(tmp_path):
     wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
-    members = {"pkg/__init__.py": b"x = 1\n", "pkg/lib_cuda118.so": b"\0" * 1000, "pkg/lib_cuda130.so": b"\1" * 10,
-               "pkg-1.0.dist-info/METADATA": b"Name: pkg\n"}
+    members = {"pkg/__init__.py": b"x = 1\n", "pkg/lib_cuda118.so": b"\0" * 1000,
+               "pkg/lib_cuda130.so": b"\1" * 10, "pkg-1.0.dist-info/METADATA": b"Name: pkg\n"}
     record = "".join(f"{name},sha256=abc,{len(data)}\n" for name, data in members.items()) + \
         "pkg-1.0.dist-info/RECORD,,\n"
     with zipfile.ZipFile(wheel, "w") as z:

@@ -28,11 +28,12 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 SMALL = dict(prompts_per_step=2, group_size=2, max_completion_tokens=4, max_steps=1, progress_bar=False)
 
 
-# -- prompts from anywhere ---------------------------------------------------------------------------------------
+# -- prompts from anywhere -----------------------------------------------------------------------------------
 
 
 def test_a_dataset_with_extra_columns_reaches_a_plain_reward_function(tmp_path):
-    data = Dataset.from_dict({"prompt": ["3+4=", "5+6=", "7+1="], "answer": ["7", "11", "8"], "level": [1, 2, 3]})
+    data = Dataset.from_dict({"prompt": ["3+4=", "5+6=", "7+1="], "answer": ["7", "11", "8"],
+                              "level": [1, 2, 3]})
     seen = []
 
     def exact(prompts, completions, answer, level, target, **kwargs):
@@ -62,8 +63,8 @@ def test_to_prompts_reads_trl_conversations_maps_columns_and_reports_every_bad_r
     streamed = Dataset.from_dict({"question": ["a?", "b?"], "target": [1, 2]}).to_iterable_dataset()
     assert [(p.question, p.target) for p in to_prompts(streamed)] == [("a?", "1"), ("b?", "2")]
     with pytest.raises(DataError) as info:
-        to_prompts([{"prompt": "ok", "answer": "1"}, {"prompt": "", "answer": "1"}, {"prompt": "q", "answer": None},
-                     {"prompt": "q", "answer": {"a": 1}}, "text"])
+        to_prompts([{"prompt": "ok", "answer": "1"}, {"prompt": "", "answer": "1"},
+                    {"prompt": "q", "answer": None}, {"prompt": "q", "answer": {"a": 1}}, "text"])
     text = str(info.value)
     assert text.startswith("data: 4 bad record(s)")
     for line in ["data[1]: 'prompt' is empty", "data[2]: 'answer' is missing or null",
@@ -75,7 +76,7 @@ def test_to_prompts_reads_trl_conversations_maps_columns_and_reports_every_bad_r
         to_prompts({"train": Dataset.from_dict({"prompt": ["a"]})})
 
 
-# -- plain reward functions -----------------------------------------------------------------------------------------
+# -- plain reward functions ----------------------------------------------------------------------------------
 
 
 def test_none_leaves_a_sample_out_of_the_weighted_sum_and_is_counted():
@@ -92,7 +93,8 @@ def test_none_leaves_a_sample_out_of_the_weighted_sum_and_is_counted():
     metrics = rollout_metrics(batch, out)
     assert metrics["reward/sometimes/mean"] == 2.0 and metrics["reward/sometimes/none"] == 1.0
     with pytest.raises(RewardError, match=r"returned 'bad' for sample 0 .* or None when it does not apply"):
-        FunctionReward(lambda prompts, completions, **k: ["bad"] * 4, name="bad")(batch.row_prompts, batch.texts)
+        FunctionReward(lambda prompts, completions, **k: ["bad"] * 4, name="bad")(batch.row_prompts,
+                                                                                  batch.texts)
     with pytest.raises(ValueError, match="cannot key the logs; pass name="):
         FunctionReward(lambda prompts, completions: [])
     with pytest.raises(RewardError, match="normalize='each'"):
@@ -109,27 +111,32 @@ def test_a_reward_that_returned_none_cannot_be_a_group_statistic():
         return [None if c == "skip" else 1.0 for c in completions]
 
     batch = make_batch([Prompt("a"), Prompt("b")], ["x", "skip", "y", "z"], group_size=2)
-    out = WeightedSum([sometimes, FunctionReward(lambda prompts, completions, **k: [1.0] * 4, name="all")])(batch)
+    out = WeightedSum([sometimes,
+                       FunctionReward(lambda prompts, completions, **k: [1.0] * 4, name="all")])(batch)
     assert group_accuracy(out, "all").tolist() == [1.0, 1.0]
-    rule = r"the reward 'sometimes' returned None for 1 of 4 samples .* name a reward that scores every sample"
+    rule = (r"the reward 'sometimes' returned None for 1 of 4 samples .* "
+            r"name a reward that scores every sample")
     with pytest.raises(ValueError, match=r"accuracy_reward='sometimes': " + rule):
         group_accuracy(out, "sometimes")
     with pytest.raises(ValueError, match=r"AdaptiveTemperature\(accuracy_reward='sometimes'\): " + rule):
-        AdaptiveTemperature().on_rollout(None, None, None, batch=batch, rewards=out, uncertainty=torch.zeros(2))
-    with pytest.raises(KeyError, match=r"AdaptiveTemperature\(accuracy_reward='nope'\): not one of the rewards"):
+        AdaptiveTemperature().on_rollout(None, None, None, batch=batch, rewards=out,
+                                         uncertainty=torch.zeros(2))
+    with pytest.raises(KeyError, match=r"AdaptiveTemperature\(accuracy_reward='nope'\): "
+                                       r"not one of the rewards"):
         AdaptiveTemperature(accuracy_reward="nope").on_rollout(None, None, None, batch=batch, rewards=out,
                                                                 uncertainty=torch.zeros(2))
     with pytest.raises(ValueError, match=r"SemanticEntropy\(correct_key='sometimes'\): " + rule):
         SemanticEntropy(among="wrong", correct_key="sometimes")(batch, out)
 
 
-# -- peft as users write it -----------------------------------------------------------------------------------------
+# -- peft as users write it ----------------------------------------------------------------------------------
 
 
 def test_a_peft_lora_config_is_taken_and_unsupported_settings_are_named():
     from peft import LoraConfig
 
-    plan = MemoryPlan(lora=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    plan = MemoryPlan(lora=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                      target_modules=["q_proj", "v_proj"]))
     assert plan.lora == LoRA(r=8, alpha=16, target_modules=["q_proj", "v_proj"])
     with pytest.raises(ConfigError, match=r"LoraConfig settings \{'use_dora': True\} are not supported"):
         MemoryPlan(lora=LoraConfig(r=8, use_dora=True, target_modules="all-linear"))
@@ -179,7 +186,7 @@ def test_known_third_party_noise_is_silenced_where_it_arises():
     assert logger.filter(logger.makeRecord(logger.name, logging.WARNING, "f", 1, "another message", (), None))
 
 
-# -- errors, overrides, example config --------------------------------------------------------------------------------
+# -- errors, overrides, example config -----------------------------------------------------------------------
 
 
 def test_cli_set_overrides_are_validated_like_the_file(tmp_path, capsys, tiny_folder):
@@ -198,13 +205,16 @@ def test_cli_names_import_and_data_errors_without_a_traceback(tmp_path, capsys, 
     data.write_text('{"question": "1+1?", "answer": ""}\n')
     for prompts, message in [
         ("{function: grpo_engine.data.load_jsonll_prompts}",
-         "grpo_engine.data has no 'load_jsonll_prompts'; did you mean 'grpo_engine.data.load_jsonl_prompts'?"),
-        ("{function: grpo_engine.dta.load_gsm8k}", "no module 'grpo_engine.dta'; did you mean 'grpo_engine.data'?"),
+         "grpo_engine.data has no 'load_jsonll_prompts'; "
+         "did you mean 'grpo_engine.data.load_jsonl_prompts'?"),
+        ("{function: grpo_engine.dta.load_gsm8k}",
+         "no module 'grpo_engine.dta'; did you mean 'grpo_engine.data'?"),
         (f"{{function: grpo_engine.data.load_jsonl_prompts, path: {data}}}", "'answer' is empty"),
     ]:
         run = tmp_path / "run.yaml"
-        run.write_text(f"model: {tiny_folder}\ntrain_prompts: {prompts}\nrewards: [{{class: grpo_engine.rewards."
-                       f"MathAccuracy}}]\nconfig: {{output_dir: {tmp_path / 'out'}}}\n")
+        run.write_text(f"model: {tiny_folder}\ntrain_prompts: {prompts}\n"
+                       f"rewards: [{{class: grpo_engine.rewards.MathAccuracy}}]\n"
+                       f"config: {{output_dir: {tmp_path / 'out'}}}\n")
         assert main(["train", str(run)]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
@@ -225,7 +235,7 @@ def test_example_config_runs_on_the_bundled_task_or_the_data_given(tmp_path, tin
     assert (out / "final" / "adapter_config.json").is_file()
 
 
-# -- logging backends ---------------------------------------------------------------------------------------------
+# -- logging backends ----------------------------------------------------------------------------------------
 
 
 def test_tensorboard_events_hold_every_logged_metric(tmp_path):
@@ -233,7 +243,8 @@ def test_tensorboard_events_hold_every_logged_metric(tmp_path):
 
     tok = char_tokenizer()
     trainer = GRPOTrainer(tiny_llama(len(tok)), [DigitShare()], PROMPTS,
-                          GRPOConfig(output_dir=str(tmp_path), report_to=["tensorboard"], **{**SMALL, "max_steps": 2}),
+                          GRPOConfig(output_dir=str(tmp_path), report_to=["tensorboard"],
+                                     **{**SMALL, "max_steps": 2}),
                           tokenizer=tok, template=TEMPLATE)
     history = trainer.train()
     events = EventAccumulator(str(tmp_path / "tensorboard"))
@@ -278,7 +289,8 @@ def test_wandb_offline_and_trackio_local_runs_hold_every_step(tmp_path, monkeypa
 
     assert [type(c) for c in report_callbacks(["wandb", "trackio"])] == [WandbLogger, TrackioLogger]
 
-    project = f"grpo_engine_test_{uuid.uuid4().hex[:8]}"  # trackio reads TRACKIO_DIR once, when first imported
+    # trackio reads TRACKIO_DIR once, when first imported
+    project = f"grpo_engine_test_{uuid.uuid4().hex[:8]}"
     tok = char_tokenizer()
     trainer = GRPOTrainer(tiny_llama(len(tok)), [DigitShare()], PROMPTS,
                           GRPOConfig(output_dir=str(tmp_path), **{**SMALL, "max_steps": 2}), tokenizer=tok,
@@ -302,7 +314,7 @@ def test_wandb_offline_and_trackio_local_runs_hold_every_step(tmp_path, monkeypa
     assert [json.loads(m)["loss"] for _, m in logged] == pytest.approx([h["loss"] for h in history], rel=1e-6)
 
 
-# -- export -------------------------------------------------------------------------------------------------------
+# -- export --------------------------------------------------------------------------------------------------
 
 
 def test_export_merges_the_adapter_into_a_plain_transformers_folder(tmp_path, tiny_folder):
@@ -333,7 +345,7 @@ def test_export_merges_the_adapter_into_a_plain_transformers_folder(tmp_path, ti
     assert any("lora_" in n for n, _ in trainer.model.named_parameters())  # the policy keeps its adapter
 
 
-# -- docs/from_trl.md, as written -------------------------------------------------------------------------------------
+# -- docs/from_trl.md, as written ----------------------------------------------------------------------------
 
 
 def test_the_from_trl_script_runs_as_written(tmp_path, tiny_folder, monkeypatch):

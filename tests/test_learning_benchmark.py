@@ -60,7 +60,8 @@ def test_checks_name_every_difference_that_breaks_the_comparison():
     assert warnings == []
     # in the defaults mode settings may differ; a base model outside 10-50% is a warning
     spec = learning.Spec(model="m", mode="defaults")
-    problems, warnings = learning._checks(spec, {"ours": [_run(0, 0.6, {"a": 1})], "trl": [_run(0, 0.6, {"a": 2})]})
+    problems, warnings = learning._checks(spec, {"ours": [_run(0, 0.6, {"a": 1})],
+                                                 "trl": [_run(0, 0.6, {"a": 2})]})
     assert problems == [] and len(warnings) == 2 and "0.600" in warnings[0]
 
 
@@ -71,8 +72,9 @@ def test_smoke_run_trains_both_engines_and_reports(tiny_folder, tmp_path, capsys
     pytest.importorskip("trl")
     out = tmp_path / "out"
     code = learning.main(["--model", str(tiny_folder), "--budget-s", "3", "--eval-every-s", "1",
-                          "--num-train", "20", "--num-test", "8", "--eval-subset", "4", "--prompts-per-step", "2",
-                          "--group-size", "2", "--max-completion-tokens", "4", "--out", str(out)])
+                          "--num-train", "20", "--num-test", "8", "--eval-subset", "4",
+                          "--prompts-per-step", "2", "--group-size", "2", "--max-completion-tokens", "4",
+                          "--out", str(out)])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, last
     assert list(last)[:5] == ["task", "budget_s", "ours", "trl", "delta_after_pts"]
@@ -120,7 +122,8 @@ def test_defaults_mode_trains_ours_with_its_own_batch_shape(tiny_folder, tmp_pat
 
 def test_defaults_mode_gives_trl_what_its_users_pick_on_a_cpu(tiny_folder, tmp_path):
     """On the CPU: float32 without autocast, no gradient checkpointing (TRL's defaults turn both on, for a
-    GPU), the demo's 16 training tokens like ours; TRL's own lr, loss, betas, schedule and micro-batch stay."""
+    GPU), the demo's 16 training tokens like ours; TRL's own lr, loss, betas, schedule and micro-batch
+    stay."""
     pytest.importorskip("trl")
     from grpo_engine.demo import DemoSettings
 
@@ -129,7 +132,8 @@ def test_defaults_mode_gives_trl_what_its_users_pick_on_a_cpu(tiny_folder, tmp_p
     assert settings["precision"] == "float32"  # no " + bf16 autocast"
     assert settings["gradient_checkpointing"] is False
     assert settings["max_completion_tokens"] == DemoSettings().max_completion_tokens == 16
-    assert (settings["prompts_per_step"], settings["group_size"]) == (2, 2)  # --prompts-per-step / --group-size
+    # --prompts-per-step / --group-size
+    assert (settings["prompts_per_step"], settings["group_size"]) == (2, 2)
     assert settings["learning_rate"] == learning.TRL_DEFAULTS_LR and settings["lr_schedule"] == "linear"
     assert settings["aggregation"] == "token" and settings["adam_betas"] == [0.9, 0.999]  # loss_type="dapo"
     assert settings["micro_batch_size"] == 4  # its default 8, reduced to gcd with B*G = 4
@@ -145,13 +149,15 @@ def test_first_seed_runs_the_later_seeds_in_the_alternating_order(tmp_path, monk
 
     def fake_worker(engine, spec, out):
         calls.append((spec.seed, engine))
-        return {"engine": engine, "seed": spec.seed, "before": 0.25, "after": 0.5 if engine == "ours" else 0.25,
-                "steps": 3, "step_s_mean": 1.0, "train_s": 3.0, "prompt_ids": None, "settings": settings}, None
+        return {"engine": engine, "seed": spec.seed, "before": 0.25,
+                "after": 0.5 if engine == "ours" else 0.25, "steps": 3, "step_s_mean": 1.0, "train_s": 3.0,
+                "prompt_ids": None, "settings": settings}, None
 
     monkeypatch.setattr(learning, "_run_worker", fake_worker)
     monkeypatch.setattr(learning, "plot", lambda *args, **kwargs: None)
-    spec = learning.Spec(model="unused", mode="defaults", budget_s=1.0, num_train=20, num_test=4, eval_subset=2,
-                         eval_every_s=0, prompts_per_step=2, group_size=2, max_completion_tokens=4)
+    spec = learning.Spec(model="unused", mode="defaults", budget_s=1.0, num_train=20, num_test=4,
+                         eval_subset=2, eval_every_s=0, prompts_per_step=2, group_size=2,
+                         max_completion_tokens=4)
     summary = learning.compare(spec, 2, tmp_path, first_seed=2)
     assert calls == [(2, "ours"), (2, "trl"), (3, "trl"), (3, "ours")]
     assert summary["ours"]["seeds"] == [2, 3] and summary["first_seed"] == 2 and summary["seeds"] == 2
@@ -161,7 +167,8 @@ def test_first_seed_runs_the_later_seeds_in_the_alternating_order(tmp_path, monk
     assert "mode defaults (each engine's recommended settings for this hardware)" in table
     assert "2 seed(s) from seed 2" in table
     assert ("trl used: 2 prompts x 2 completions, 16 completion tokens, float32, no gradient checkpointing, "
-            "lr 0.0001 linear, token loss aggregation, advantage z-score, group std + 0.0001, micro-batch 4") in table
+            "lr 0.0001 linear, token loss aggregation, advantage z-score, group std + 0.0001, "
+            "micro-batch 4") in table
     report = json.loads((tmp_path / "report.json").read_text())  # rewritten after each worker: here the last
     assert [r["seed"] for r in report["runs"]["trl"]] == [2, 3] and report["errors"] == []
 

@@ -106,7 +106,8 @@ def test_weighted_sum_checks_what_score_rollout_returns():
 
 def test_text_call_is_a_clear_error():
     penalty = OverlongPenalty(max_completion_tokens=8, cache_tokens=4)
-    pattern = r"'overlong_penalty' \(OverlongPenalty\) scores completion lengths in tokens.*inside WeightedSum"
+    pattern = (r"'overlong_penalty' \(OverlongPenalty\) scores completion lengths in tokens"
+               r".*inside WeightedSum")
     with pytest.raises(TypeError, match=pattern):
         penalty([Q], ["text"])
     with pytest.raises(TypeError, match=pattern):
@@ -126,7 +127,8 @@ def test_defaults_protocol_and_repr():
 @pytest.mark.parametrize(
     ("l_max", "l_cache", "weight", "pattern"),
     [
-        (8, 0, 1.0, r"cache_tokens=0 must be a positive integer.*0 < cache_tokens <= max_completion_tokens=8"),
+        (8, 0, 1.0, r"cache_tokens=0 must be a positive integer"
+                    r".*0 < cache_tokens <= max_completion_tokens=8"),
         (8, 9, 1.0, r"cache_tokens=9 must be <= max_completion_tokens=8.*e.g. 2"),
         (8, 2.5, 1.0, r"cache_tokens=2.5 must be a positive integer"),
         (8, True, 1.0, r"cache_tokens=True must be a positive integer"),

@@ -269,7 +269,8 @@ def test_mask_truncated_equals_dropping_the_rows(aggregation):
         torch.testing.assert_close(out.metrics[name], value, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("aggregation, expected", [("sequence", -0.375), ("token", -1 / 3), ("constant", -0.125)])
+@pytest.mark.parametrize("aggregation, expected",
+                         [("sequence", -0.375), ("token", -1 / 3), ("constant", -0.125)])
 def test_entropy_bonus_hand_values_and_sign(aggregation, expected):
     """A = 0 (no policy term), entropy_coef 0.5. Row 0 H = [1], row 1 H = [0.5, 0.5].
     Aggregated H: sequence (1/1 + 1/2)/2 = 0.75; token (1 + 0.5 + 0.5)/3 = 2/3; constant
@@ -366,7 +367,8 @@ def test_micro_batches_sum_to_the_full_batch(fn, micro_batch_size):
     counts = fn.counts(mask, trunc)
     full = call(fn, lp, mask, adv, old, ref, truncated=trunc, entropy=ent, counts=counts)
     full_grads = torch.autograd.grad(full.loss, (lp, ent), allow_unused=True)
-    parts = [call(fn, lp[s], mask[s], adv[s], old[s], ref[s], truncated=trunc[s], entropy=ent[s], counts=counts)
+    parts = [call(fn, lp[s], mask[s], adv[s], old[s], ref[s], truncated=trunc[s], entropy=ent[s],
+                  counts=counts)
              for s in (slice(i, i + micro_batch_size) for i in range(0, 8, micro_batch_size))]
     total = sum(p.loss for p in parts)
     acc_grads = torch.autograd.grad(total, (lp, ent), allow_unused=True)
@@ -421,7 +423,8 @@ def test_gradients_flow_only_into_logprobs_and_entropy_with_the_advantage_sign(f
         assert t.grad is None or not t.grad.any()
     assert lp.grad.abs().sum() > 0
     # On-policy, without KL or entropy: d loss / d logp_it has the sign of -A_i on every kept token.
-    plain = dataclasses.replace(fn, kl_coef=0.0, **({"entropy_coef": 0.0} if hasattr(fn, "entropy_coef") else {}))
+    plain = dataclasses.replace(fn, kl_coef=0.0,
+                                **({"entropy_coef": 0.0} if hasattr(fn, "entropy_coef") else {}))
     lp2 = lp.detach().requires_grad_()
     call(plain, lp2, mask, adv.detach(), truncated=trunc, entropy=ent.detach()).loss.backward()
     kept = mask & ~trunc[:, None] if getattr(fn, "mask_truncated", False) else mask
@@ -433,7 +436,8 @@ def test_gradients_flow_only_into_logprobs_and_entropy_with_the_advantage_sign(f
 def test_on_policy_ratio_is_exactly_one(fn):
     """old None: every ratio is 1, nothing is clipped, and the surrogate gradient is
     -A/|o|/ns (GSPO), -A/nvt (CISPO) or the aggregation weight of ClippedSurrogate times -A."""
-    fn = dataclasses.replace(fn, kl_coef=0.0, **({"entropy_coef": 0.0} if hasattr(fn, "entropy_coef") else {}))
+    fn = dataclasses.replace(fn, kl_coef=0.0,
+                             **({"entropy_coef": 0.0} if hasattr(fn, "entropy_coef") else {}))
     lp, mask, adv, _, _, ent = inputs()
     trunc = torch.tensor(TRUNCATED)
     out = call(fn, lp, mask, adv, truncated=trunc, entropy=ent)
@@ -442,10 +446,13 @@ def test_on_policy_ratio_is_exactly_one(fn):
     nvt, ns = fn.counts(mask, trunc)
     kept = mask & ~trunc[:, None] if getattr(fn, "mask_truncated", False) else mask
     lengths = kept.sum(1, keepdim=True).clamp(min=1).double()
-    weight = {GSPO: 1 / (lengths * ns), CISPO: torch.full_like(lengths, 1 / nvt, dtype=torch.float64)}.get(type(fn))
+    weight = {GSPO: 1 / (lengths * ns),
+              CISPO: torch.full_like(lengths, 1 / nvt, dtype=torch.float64)}.get(type(fn))
     if weight is None:
-        weight = {"sequence": 1 / (lengths * ns), "token": torch.full_like(lengths, 1 / nvt, dtype=torch.float64),
-                  "constant": torch.full_like(lengths, 1 / (ns * MAX_LEN), dtype=torch.float64)}[fn.aggregation]
+        weight = {"sequence": 1 / (lengths * ns),
+                  "token": torch.full_like(lengths, 1 / nvt, dtype=torch.float64),
+                  "constant": torch.full_like(lengths, 1 / (ns * MAX_LEN),
+                                              dtype=torch.float64)}[fn.aggregation]
     torch.testing.assert_close(lp.grad, torch.where(kept, -adv[:, None] * weight, torch.zeros(())),
                                rtol=1e-12, atol=1e-15)
 
@@ -465,7 +472,8 @@ def test_needs_zero_advantage_rows_tells_the_truth(fn):
                 counts=counts)
     part.loss.backward()
     same = (torch.equal(full.loss.detach(), part.loss.detach()) and torch.equal(lp.grad[rows], lp2.grad)
-            and not lp.grad[~rows].any() and all(torch.equal(v, part.metrics[k]) for k, v in full.metrics.items()))
+            and not lp.grad[~rows].any()
+            and all(torch.equal(v, part.metrics[k]) for k, v in full.metrics.items()))
     assert same != fn.requires.zero_advantage_rows
 
 
@@ -514,7 +522,8 @@ def test_defaults_properties_and_protocol():
     assert (GSPO().clip_eps_low, GSPO().clip_eps_high, GSPO().level) == (3e-4, 4e-4, "sequence")
     for fn in (GSPO(), CISPO(), ClippedSurrogate(delta=4.0)):
         assert isinstance(fn, GRPOLoss)
-        assert not fn.requires.ref_logprobs and not fn.requires.entropy and not fn.requires.zero_advantage_rows
+        assert (not fn.requires.ref_logprobs and not fn.requires.entropy
+                and not fn.requires.zero_advantage_rows)
         with pytest.raises(dataclasses.FrozenInstanceError):
             fn.kl_coef = 1.0  # type: ignore[misc]
     for fn in (GSPO(kl_coef=0.1), CISPO(kl_coef=0.1), ClippedSurrogate(kl_coef=0.1)):

@@ -42,7 +42,8 @@ def random_inputs(seed=0, lengths=(6, 1, 3, 0, 2, 6, 4, 1), width=6, dtype=torch
     return logprobs.to(dtype).requires_grad_(), mask, adv, old.to(dtype), ref.to(dtype)
 
 
-def reference(lp, old, ref, adv, mask, *, eps_low, eps_high, kl_coef, aggregation, nvt, ns, delta=None, est="k3"):
+def reference(lp, old, ref, adv, mask, *, eps_low, eps_high, kl_coef, aggregation, nvt, ns, delta=None,
+              est="k3"):
     """Naive fp64 loop over sequences and tokens, straight from the paper formulas
     (δ: INTELLECT-2's cap on the unclipped ratio; est: Schulman's k1/k2/k3)."""
     lp, old, ref, adv, mask = (x.detach().double().tolist() for x in (lp, old, ref, adv, mask))
@@ -63,7 +64,8 @@ def reference(lp, old, ref, adv, mask, *, eps_low, eps_high, kl_coef, aggregatio
             surrogate = min(capped * adv[i], clipped * adv[i])
             clip_active = clipped * adv[i] < capped * adv[i] or (capped != ratio and adv[i] != 0)
             x = ref[i][t] - lp[i][t]
-            kl, d_kl = {"k1": (-x, 1.0), "k2": (x * x / 2, -x), "k3": (math.exp(x) - x - 1, 1 - math.exp(x))}[est]
+            kl, d_kl = {"k1": (-x, 1.0), "k2": (x * x / 2, -x),
+                        "k3": (math.exp(x) - x - 1, 1 - math.exp(x))}[est]
             out["loss"] += w * (-surrogate + kl_coef * kl)
             out["policy_loss"] += w * -surrogate
             out["clip_fraction"] += clip_active / nvt

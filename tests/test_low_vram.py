@@ -18,7 +18,8 @@ from tests.tiny import char_tokenizer, tiny_llama
 bnb = pytest.importorskip("bitsandbytes")
 
 
-def grouped_batch(vocab: int, groups: int = 2, group_size: int = 3, prompt_len: int = 6, completion_len: int = 5):
+def grouped_batch(vocab: int, groups: int = 2, group_size: int = 3, prompt_len: int = 6,
+                  completion_len: int = 5):
     """Rows b*G .. b*G+G-1 share prompt b; prompt 0 is left-padded, completions have ragged masks."""
     g = torch.Generator().manual_seed(3)
     pid = torch.randint(4, vocab, (groups, prompt_len), generator=g).repeat_interleave(group_size, 0)
@@ -87,7 +88,8 @@ def test_prompt_sharing_is_off_where_it_cannot_apply():
     checkpointed.train()
     assert not can_share_prompt(checkpointed, pid, pmask)  # transformers keeps no cache there
     checkpointed.eval()
-    assert can_share_prompt(checkpointed, pid, pmask)  # no-grad passes (old / reference log-probs) still share
+    # no-grad passes (old / reference log-probs) still share
+    assert can_share_prompt(checkpointed, pid, pmask)
     distinct = torch.arange(12).reshape(2, 6)
     assert not can_share_prompt(checkpointed, distinct, torch.ones_like(distinct, dtype=torch.bool))
 
@@ -167,7 +169,8 @@ def test_a_qlora_step_with_the_adapter_disabled_reference_and_a_paged_8bit_optim
     tok = char_tokenizer()
     plan = MemoryPlan(lora=LoRA(r=4), quantization="nf4", optimizer="paged_adamw8bit", micro_batch_size=4)
     config = GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=6, seed=0)
-    trainer = GRPOTrainer(tiny_llama(len(tok), hidden=64), [CharSum()], [Prompt("ab", None), Prompt("cd", None)],
+    trainer = GRPOTrainer(tiny_llama(len(tok), hidden=64), [CharSum()],
+                          [Prompt("ab", None), Prompt("cd", None)],
                           config=config, memory=plan, tokenizer=tok, loss=ClippedSurrogate(kl_coef=0.1))
     assert trainer.reference is not None and isinstance(trainer.optimizer, bnb.optim.PagedAdamW8bit)
     before = [p.detach().clone() for p in trainable_parameters(trainer.model)]
@@ -218,7 +221,8 @@ def test_offloaded_activations_give_the_same_gradients_and_go_through_the_hooks(
             monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
         plan = MemoryPlan(lora=LoRA(r=4), offload_activations=offload, micro_batch_size=4)
         trainer = GRPOTrainer(tiny_llama(len(tok)), [CharSum()], prompts, tokenizer=tok, memory=plan,
-                              config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=6, seed=0))
+                              config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=6,
+                                                seed=0))
         torch.manual_seed(1)
         batch = trainer.sampler.sample(prompts, group_size=4)
         advantages = torch.linspace(-1, 1, 8)

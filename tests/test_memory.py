@@ -44,7 +44,8 @@ def test_optimizers():
     assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["lr"] == 1e-3
     import bitsandbytes as bnb
 
-    eight_bit = build_optimizer(model, MemoryPlan(optimizer="adamw8bit"), learning_rate=1e-3, betas=(0.9, 0.95))
+    eight_bit = build_optimizer(model, MemoryPlan(optimizer="adamw8bit"), learning_rate=1e-3,
+                                betas=(0.9, 0.95))
     assert isinstance(eight_bit, bnb.optim.AdamW8bit) and eight_bit.defaults["betas"] == (0.9, 0.95)
 
 
@@ -69,4 +70,5 @@ def test_full_finetune_reference_is_a_frozen_copy():
         assert all(not p.requires_grad for p in ref_model.parameters())
         fresh = tiny_llama(V)
         with torch.no_grad():
-            torch.testing.assert_close(completion_logprobs(ref_model, *batch()), completion_logprobs(fresh, *batch()))
+            torch.testing.assert_close(completion_logprobs(ref_model, *batch()),
+                                       completion_logprobs(fresh, *batch()))

@@ -17,10 +17,10 @@ from grpo_engine.memory.estimate import (
     estimate_memory,
 )
 
-LLAMA = LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=6,
-                    num_key_value_heads=2, tie_word_embeddings=False)
-QWEN = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, tie_word_embeddings=True)
+LLAMA = LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
+QWEN = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
 def build(config):
@@ -115,7 +115,8 @@ def saved_activation_bytes(model, workload: Workload, plan: MemoryPlan) -> int:
 def test_saved_activations_within_15_percent(config, dtype, kind):
     """Shapes other than the seven the coefficients were fitted on."""
     workload = Workload(prompts_per_step=2, group_size=4, prompt_tokens=24, completion_tokens=40)
-    plan = MemoryPlan(lora=None if kind == "full" else LoRA(r=8), gradient_checkpointing="checkpointing" in kind,
+    plan = MemoryPlan(lora=None if kind == "full" else LoRA(r=8),
+                      gradient_checkpointing="checkpointing" in kind,
                       share_prompt="no prompt sharing" not in kind, micro_batch_size=8, dtype=dtype)
     model = prepare_model(build(config), plan)
     actual = saved_activation_bytes(model, workload, plan)
@@ -129,12 +130,14 @@ def test_mixed_precision_activations_and_weight_copies_within_15_percent(config,
     """float32 weights under bfloat16 autocast: the saved activations plus autocast's bf16 copies of
     the matmul weights (saved for backward too), against what autograd saves."""
     workload = Workload(prompts_per_step=2, group_size=4, prompt_tokens=24, completion_tokens=40)
-    plan = MemoryPlan(lora=LoRA(r=8) if kind == "lora" else None, micro_batch_size=8, compute_dtype="bfloat16")
+    plan = MemoryPlan(lora=LoRA(r=8) if kind == "lora" else None, micro_batch_size=8,
+                      compute_dtype="bfloat16")
     model = prepare_model(build(config), plan)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         actual = saved_activation_bytes(model, workload, plan)
     parts = estimate_memory(config, plan, workload).parts
-    assert parts["autocast_weights"] == (ModelShape.from_config(config).linear_params + 300 * config.hidden_size) * 2
+    assert parts["autocast_weights"] == (ModelShape.from_config(config).linear_params
+                                         + 300 * config.hidden_size) * 2
     assert parts["activations"] + parts["autocast_weights"] == pytest.approx(actual, rel=0.15)
     fp32 = estimate_memory(config, MemoryPlan(lora=plan.lora, micro_batch_size=8), workload)
     assert fp32.parts["autocast_weights"] == 0 and fp32.parts["weights"] == parts["weights"]

@@ -85,7 +85,8 @@ def test_training_with_merged_sampling_takes_the_same_steps(tmp_path):
         trainer = GRPOTrainer(
             tiny_llama(len(tok)), [DigitShare()], PROMPTS, tokenizer=tok, template=TEMPLATE,
             config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=3,
-                              learning_rate=5e-2, seed=0, progress_bar=False, output_dir=str(tmp_path / str(merge))),
+                              learning_rate=5e-2, seed=0, progress_bar=False,
+                              output_dir=str(tmp_path / str(merge))),
             memory=MemoryPlan(lora=LoRA(r=4, alpha=8), micro_batch_size=8, merge_lora_for_sampling=merge))
         assert trainer.sampler.merge_lora is merge
         histories.append(trainer.train())
@@ -115,7 +116,8 @@ def test_the_plan_refuses_a_merge_that_would_not_be_exact(plan):
 
 
 def test_the_estimate_counts_one_copy_of_the_adapted_weights_while_sampling():
-    shape = ModelShape(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tie_embeddings=True)
+    shape = ModelShape(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
+                       tie_embeddings=True)
     work = Workload(prompts_per_step=2, group_size=4, prompt_tokens=16, completion_tokens=16)
     lora = LoRA(r=4, target_modules=["q_proj", "down_proj"])
     plain = estimate_memory(shape, MemoryPlan(lora=lora), work)

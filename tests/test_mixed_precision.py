@@ -23,7 +23,8 @@ def test_small_updates_survive_in_float32_weights_and_vanish_in_bfloat16(tmp_pat
     """An AdamW step moves each weight by about lr = 1e-6; a bfloat16 weight near 0.02 has a spacing of
     ~1e-4, so the step rounds away, while float32 master weights keep it."""
     changed = {}
-    for name, memory in (("mixed", MemoryPlan(compute_dtype="bfloat16")), ("bf16", MemoryPlan(dtype="bfloat16"))):
+    for name, memory in (("mixed", MemoryPlan(compute_dtype="bfloat16")),
+                         ("bf16", MemoryPlan(dtype="bfloat16"))):
         trainer = trainer_for(tmp_path / name, memory, 1e-6)
         before = [p.detach().clone() for p in trainer.model.parameters()]
         trainer.step()
@@ -38,8 +39,8 @@ def test_forward_passes_compute_in_bfloat16_and_the_sampler_agrees_with_the_trai
     trainer.sampler.return_logprobs = True
     with trainer._autocast():
         batch = trainer.sampler.sample(PROMPTS[:2], group_size=4)
-        logprobs = completion_logprobs(trainer.model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                       batch.completion_mask)
+        logprobs = completion_logprobs(trainer.model, batch.prompt_ids, batch.prompt_mask,
+                                       batch.completion_ids, batch.completion_mask)
         hidden = trainer.model.model.layers[0].mlp.down_proj(torch.ones(1, 64))
     assert hidden.dtype == torch.bfloat16
     plain = completion_logprobs(trainer.model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,

@@ -20,7 +20,8 @@ def test_each_preset_sets_what_its_paper_sets():
     flat = ClippedSurrogate(kl_coef=0.04, aggregation="sequence")  # the same loss from the keyword arguments
     assert g.loss.requires == flat.requires
     torch.manual_seed(0)
-    logp, old, ref = -torch.rand(3, 5, dtype=torch.float64, requires_grad=True), -torch.rand(3, 5), -torch.rand(3, 5)
+    logp, old, ref = (-torch.rand(3, 5, dtype=torch.float64, requires_grad=True), -torch.rand(3, 5),
+                      -torch.rand(3, 5))
     mb = MicroBatch(completion_mask=torch.rand(3, 5) > 0.3, advantages=torch.randn(3), old_logprobs=old,
                     ref_logprobs=ref)
     counts = dict(num_valid_tokens=int(mb.completion_mask.sum()), num_sequences=3)

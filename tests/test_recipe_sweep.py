@@ -37,7 +37,8 @@ def test_each_variant_gets_a_curve_at_the_eval_steps(tiny_folder, capsys, monkey
 
 
 def test_a_larger_held_out_set_starts_with_the_demo_split(tiny_folder, monkeypatch):
-    """--eval-problems 6 scores 6 problems; the demo-split figure counts only the first num_test (4) of them."""
+    """--eval-problems 6 scores 6 problems; the demo-split figure counts only the first num_test (4) of
+    them."""
     import grpo_engine.eval
 
     calls = []
@@ -56,7 +57,8 @@ def test_a_larger_held_out_set_starts_with_the_demo_split(tiny_folder, monkeypat
     demo_test = [p.content for p in arithmetic_task(16, 4, seed=0)[1]]
     assert calls == [[p.content for p in arithmetic_task(16, 6, seed=0)[1]]] and calls[0][:4] == demo_test
     assert result["curve"][0][:3] == [1, 3 / 6, 2 / 4]
-    expected = recipe_sweep.accuracy_by_kind(arithmetic_task(16, 6, seed=0)[1], [bool(i % 2) for i in range(6)])
+    expected = recipe_sweep.accuracy_by_kind(arithmetic_task(16, 6, seed=0)[1],
+                                             [bool(i % 2) for i in range(6)])
     assert result["curve"][0][3] == expected
 
 
@@ -140,4 +142,5 @@ def test_an_advantage_that_is_not_a_class_of_the_module_is_refused(name):
 
 def test_an_unknown_recipe_field_is_refused(tiny_folder):
     with pytest.raises(TypeError, match="temprature"):
-        recipe_sweep.run_variant({"temprature": 0.8}, steps=1, eval_every=1, model=str(tiny_folder), threads=1)
+        recipe_sweep.run_variant({"temprature": 0.8}, steps=1, eval_every=1, model=str(tiny_folder),
+                                 threads=1)

@@ -22,8 +22,8 @@ SCRIPT = ROOT / "tests" / "_resume_run.py"
 
 
 def run(out: Path, max_steps: int, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(out), str(max_steps), *flags], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    return subprocess.run([sys.executable, str(SCRIPT), str(out), str(max_steps), *flags],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def metrics(out: Path) -> list[dict]:
@@ -49,7 +49,8 @@ def test_a_killed_run_resumes_bit_for_bit(uninterrupted, tmp_path, kill):
     out = tmp_path / "run"
     proc = run(out, 6, kill, "4")
     assert proc.returncode == -9, proc.stderr[-3000:]  # SIGKILL
-    if kill == "--kill-in-save":  # checkpoint-4 never arrived: its temporary folder is left, checkpoint-2 is whole
+    # checkpoint-4 never arrived: its temporary folder is left, checkpoint-2 is whole
+    if kill == "--kill-in-save":
         assert not (out / "checkpoint-4").exists() and list(out.glob(".tmp-checkpoint-4-*"))
         assert latest_checkpoint(out).name == "checkpoint-2"
     else:
@@ -65,16 +66,18 @@ def test_a_killed_run_resumes_bit_for_bit(uninterrupted, tmp_path, kill):
 
 def trainer_at(out: Path, resume_from=None, callbacks=(), **changes):
     tok = char_tokenizer()
-    settings = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=4, learning_rate=5e-2,
-                    save_every_steps=2, output_dir=str(out), progress_bar=False, seed=3)
+    settings = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=4,
+                    learning_rate=5e-2, save_every_steps=2, output_dir=str(out), progress_bar=False, seed=3)
     memory = changes.pop("memory", MemoryPlan(lora=LoRA(r=4, alpha=8), micro_batch_size=4))
-    return GRPOTrainer(tiny_llama(len(tok), seed=3), [DigitShare()], PROMPTS, GRPOConfig(**{**settings, **changes}),
-                       memory, tokenizer=tok, template=TEMPLATE, callbacks=callbacks, resume_from=resume_from)
+    return GRPOTrainer(tiny_llama(len(tok), seed=3), [DigitShare()], PROMPTS,
+                       GRPOConfig(**{**settings, **changes}), memory, tokenizer=tok, template=TEMPLATE,
+                       callbacks=callbacks, resume_from=resume_from)
 
 
 def test_a_changed_setting_is_refused_by_name_and_a_safe_one_can_be_allowed(tmp_path):
     trainer_at(tmp_path).train()
-    with pytest.raises(ValueError, match=r"config.learning_rate was 0.05, now 0.1: it changes the run's math"):
+    with pytest.raises(ValueError, match=r"config.learning_rate was 0.05, now 0.1: "
+                                         r"it changes the run's math"):
         trainer_at(tmp_path, "latest", learning_rate=0.1)
     with pytest.raises(ValueError, match=r"config.max_steps was 4, now 6: allow it with Resume\(path, "
                                          r"allow_changes=\{'config.max_steps'\}\) \(CLI: --allow-change"):
@@ -122,4 +125,30 @@ def test_a_save_replaces_a_folder_whole(tmp_path, monkeypatch):
     (first / "marker").write_text("old")
     monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)  # the fallback: rename aside, then in
     trainer.save(tmp_path / "final")
-    assert not (tmp_path / "final" / "marker").exists() and not [p for p in tmp_path.iterdir() if p.name[0] == "."]
+    assert (not (tmp_path / "final" / "marker").exists()
+            and not [p for p in tmp_path.iterdir() if p.name[0] == "."])
+
+
+def test_a_format_1_checkpoint_resumes_like_the_one_it_became(tmp_path):
+    """A checkpoint written before the trainer's counters moved under ``"trainer"`` (format 1: the step,
+    clock, temperature and skipped steps in the summary, the counts in a row and the warning beside the
+    state) resumes to the same state and the same next step as today's format."""
+    trainer_at(tmp_path / "run", max_steps=2).train()
+    new = tmp_path / "run" / "checkpoint-2"
+    old = tmp_path / "old" / "checkpoint-2"
+    old.parent.mkdir()
+    import shutil
+
+    shutil.copytree(new, old)
+    state = torch.load(old / "trainer_state.pt", weights_only=False)
+    counters = state.pop("trainer")
+    state["skipped_in_a_row"], state["warned_zero_std"] = counters["skipped_in_a_row"], True
+    torch.save(state, old / "trainer_state.pt")
+    summary = json.loads((old / "trainer_state.json").read_text())
+    (old / "trainer_state.json").write_text(json.dumps({**summary, "format": 1}))
+    steps = []
+    for folder, allowed in ((old, {"config.max_steps", "config.output_dir"}), (new, {"config.max_steps"})):
+        trainer = trainer_at(folder.parent, resume_from=Resume(folder, frozenset(allowed)), max_steps=3)
+        steps.append((trainer.state.step, trainer.state.train_seconds, trainer.step()["grad_norm"]))
+        assert trainer.state.zero_std_warned == (folder == old)
+    assert steps[0] == steps[1] and steps[0][0] == 2 and steps[0][1] > 0  # the same third step

@@ -399,7 +399,8 @@ def test_weighted_sum_normalize_each_hand_values():
     (the large reward alone orders the completions; z-scored, both count)."""
     batch = make_batch([Q, Q], list("abcdef"), group_size=3)
     each = WeightedSum(two_rewards(), normalize="each")(batch)
-    torch.testing.assert_close(each.total, torch.tensor([[-0.5, -0.5, 1.0], [-0.5, 0.5, 0.0]]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(each.total, torch.tensor([[-0.5, -0.5, 1.0], [-0.5, 0.5, 0.0]]), rtol=0,
+                               atol=1e-5)
     after = WeightedSum(two_rewards())(batch)
     torch.testing.assert_close(after.total, torch.tensor([[20.0, 1.0, 12.0], [1.0, 51.0, 26.0]]))
     for out in (each, after):  # the breakdown is always the raw, unweighted scores
@@ -414,7 +415,8 @@ def test_weighted_sum_normalize_each_matches_reference_and_equal_groups_give_exa
 
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(12, generator=gen), torch.rand(12, generator=gen) * 100
-    rewards = [Fixed("a", a.tolist(), weight=1.5), Fixed("b", b.tolist(), weight=-0.25), Fixed("c", [0.1] * 12)]
+    rewards = [Fixed("a", a.tolist(), weight=1.5), Fixed("b", b.tolist(), weight=-0.25),
+               Fixed("c", [0.1] * 12)]
     out = WeightedSum(rewards, normalize="each")(make_batch([Q] * 3, ["x"] * 12, group_size=4))
     want = 1.5 * GroupNormalized()(a.view(3, 4)) - 0.25 * GroupNormalized()(b.view(3, 4))
     assert torch.equal(out.total, want)
@@ -453,7 +455,8 @@ def test_weighted_sum_prefers_score_rollout():
 def test_weighted_sum_normalize_errors_and_repr():
     with pytest.raises(ValueError, match=r"normalize='before_sum' must be 'after_sum' .* or 'each'"):
         WeightedSum([MathAccuracy()], normalize="before_sum")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"normalize='each'\): group_size=1 makes every .* use group_size >= 2"):
+    with pytest.raises(ValueError, match=r"normalize='each'\): group_size=1 makes every .* "
+                                         r"use group_size >= 2"):
         WeightedSum([Fixed("a", [1.0, 0.0])], normalize="each")(make_batch([Q, Q], ["a", "b"], group_size=1))
     assert repr(WeightedSum([MathAccuracy()], normalize="each")).endswith(", normalize='each')")
     assert "normalize" not in repr(WeightedSum([MathAccuracy()]))

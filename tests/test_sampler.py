@@ -37,7 +37,8 @@ def test_sample_shapes_padding_and_exact_ids(tiny_model, tokenizer):
     assert batch.prompt_mask[0].sum() == len(short) and not batch.prompt_mask[0, 0]
     assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[2])
     eos = tokenizer.eos_token_id
-    for row, mask, text, trunc in zip(batch.completion_ids, batch.completion_mask, batch.texts, batch.is_truncated):
+    for row, mask, text, trunc in zip(batch.completion_ids, batch.completion_mask, batch.texts,
+                                      batch.is_truncated):
         kept = row[mask].tolist()
         assert (row[~mask] == tokenizer.pad_token_id).all()
         assert bool(trunc) == (eos not in kept)

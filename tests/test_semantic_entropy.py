@@ -56,10 +56,12 @@ def test_equivalence_must_hold_in_both_directions():
     # "gold" a is equal to b when b starts with a: holds for ("ab", "abc") but not ("abc", "ab")
     prefix = lambda a, b: b.startswith(a)
     assert cluster_answers(["ab", "abc"], equal=prefix) == [0, 1]
-    assert cluster_answers(["ab", "ab", "x"], equal=lambda a, b: False) == [0, 0, 1]  # same string always matches
+    # same string always matches
+    assert cluster_answers(["ab", "ab", "x"], equal=lambda a, b: False) == [0, 0, 1]
     calls = []
     cluster_answers(["a", "b", "c"], equal=lambda a, b: calls.append((a, b)) or False)
-    assert calls == [("a", "b"), ("a", "c"), ("b", "c")]  # one representative per cluster, first direction first
+    # one representative per cluster, first direction first
+    assert calls == [("a", "b"), ("a", "c"), ("b", "c")]
 
 
 # -- discrete semantic entropy ---------------------------------------------------------------------
@@ -71,7 +73,8 @@ def test_hand_case_two_clusters_of_three_and_one():
     out = SemanticEntropy()(batch, zeros(1, 4))
     assert out.shape == (1,) and out.dtype == torch.float32
     assert out.item() == pytest.approx(H_3_1, abs=1e-6)
-    assert SemanticEntropy(normalize=True)(batch, zeros(1, 4)).item() == pytest.approx(H_3_1 / LN(4), abs=1e-6)
+    assert SemanticEntropy(normalize=True)(batch, zeros(1, 4)).item() == pytest.approx(H_3_1 / LN(4),
+                                                                                       abs=1e-6)
 
 
 def test_edge_groups_all_unanswered_all_equal_and_groups_stay_apart():
@@ -106,7 +109,8 @@ def test_semantic_entropy_matches_a_naive_fp64_reference():
 
     for weighted in (False, True):
         got = semantic_entropy(ids, log_likelihood=ll if weighted else None, members=members)
-        got_norm = semantic_entropy(ids, log_likelihood=ll if weighted else None, members=members, normalize=True)
+        got_norm = semantic_entropy(ids, log_likelihood=ll if weighted else None, members=members,
+                                    normalize=True)
         want = [naive(ids[i], ll[i], members[i], weighted) for i in range(6)]
         assert got.tolist() == pytest.approx([w[0] for w in want], abs=1e-6)
         assert got_norm.tolist() == pytest.approx([w[1] for w in want], abs=1e-6)
@@ -125,7 +129,8 @@ def test_likelihood_hand_case_probabilities_point_eight_and_point_two():
                              [LN(0.2) + 1, LN(0.2) - 1, -inf]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
     batch = make_batch([HALVES], logprobs, mask)
-    assert sequence_log_likelihood(batch).tolist() == pytest.approx([LN(0.4), LN(0.2), LN(0.2), LN(0.2)], abs=1e-6)
+    assert sequence_log_likelihood(batch).tolist() == pytest.approx([LN(0.4), LN(0.2), LN(0.2), LN(0.2)],
+                                                                    abs=1e-6)
     out = SemanticEntropy(mode="likelihood")(batch, zeros(1, 4))
     assert H_08_02 == pytest.approx(0.5004, abs=1e-4)
     assert out.item() == pytest.approx(H_08_02, abs=1e-6)
@@ -134,7 +139,8 @@ def test_likelihood_hand_case_probabilities_point_eight_and_point_two():
     # sum-normalised over the sampled set: shifting every log-likelihood changes nothing
     shifted = make_batch([HALVES], logprobs - 50.0, mask)
     assert SemanticEntropy(mode="likelihood")(shifted, zeros(1, 4)).item() == pytest.approx(H_08_02, abs=1e-5)
-    assert SemanticEntropy()(batch, zeros(1, 4)).item() == pytest.approx(H_3_1, abs=1e-6)  # counts ignore them
+    # counts ignore them
+    assert SemanticEntropy()(batch, zeros(1, 4)).item() == pytest.approx(H_3_1, abs=1e-6)
 
 
 def test_likelihood_mode_without_sampler_logprobs_names_the_fix():
@@ -222,7 +228,8 @@ def test_entropy_scaled_strength_linear_clip_and_callable():
     out = EntropyScaled(base=MeanBaseline(), strength=2.0)(rewards, uncertainty=u)
     assert out.tolist() == [[0.25, -0.25], [0.0, 0.0], [0.0, 0.0]]  # 1 - 1.5 is clipped to 0, not -0.5
     out = EntropyScaled(base=MeanBaseline(), strength=0.5, fn=lambda x: 1 - x**2)(rewards, uncertainty=u)
-    assert out[:, 0].tolist() == pytest.approx([0.5 * (1 - 0.125**2), 0.5 * (1 - 0.25**2), 0.5 * (1 - 0.375**2)])
+    assert out[:, 0].tolist() == pytest.approx([0.5 * (1 - 0.125**2), 0.5 * (1 - 0.25**2),
+                                                0.5 * (1 - 0.375**2)])
 
 
 @pytest.mark.parametrize("fn", ["linear", "exponential", "inverse"])
@@ -290,7 +297,8 @@ def test_one_trainer_step_scales_the_advantages_by_the_semantic_entropy(tmp_path
     tokenizer = char_tokenizer()
     config = GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=6, max_steps=1, seed=0,
                         output_dir=str(tmp_path), progress_bar=False)
-    trainer = GRPOTrainer(tiny_llama(len(tokenizer)), [DigitShare()], [Prompt(f"{a}+1=", str(a + 1)) for a in range(4)],
+    trainer = GRPOTrainer(tiny_llama(len(tokenizer)), [DigitShare()],
+                          [Prompt(f"{a}+1=", str(a + 1)) for a in range(4)],
                           tokenizer=tokenizer, template=PlainTemplate("{question}"), config=config,
                           memory=MemoryPlan(micro_batch_size=8), entropy=estimator, advantage=advantage)
     trainer.step()

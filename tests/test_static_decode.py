@@ -67,7 +67,8 @@ def test_static_path_draws_the_dynamic_loops_tokens(family, name):
     assert torch.equal(ids_d, ids_s)
     torch.testing.assert_close(lp_s, lp_d, rtol=0, atol=1e-5)  # float rounding of other kernels
     ends = [row.index(eos) if eos in row else None for row in ids_d.tolist()]
-    assert any(e is not None and e < 19 for e in ends) and len(set(ends)) > 1  # rows end mid-way, at other steps
+    # rows end mid-way, at other steps
+    assert any(e is not None and e < 19 for e in ends) and len(set(ends)) > 1
     if name != "greedy":
         assert len({tuple(r) for r in ids_d.tolist()}) > 3  # the draws differ between rows of a group
 
@@ -86,8 +87,8 @@ def test_one_token_prompts_and_an_eos_set():
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     ids, mask = torch.tensor([[7], [12]]), torch.ones(2, 1, dtype=torch.bool)
-    (ids_d, lp_d), (ids_s, lp_s) = both_paths(model, ids, mask, DRAWS["sampled"], repeats=4, max_new_tokens=12,
-                                              eos_ids=[5, 9, 14])
+    (ids_d, lp_d), (ids_s, lp_s) = both_paths(model, ids, mask, DRAWS["sampled"], repeats=4,
+                                              max_new_tokens=12, eos_ids=[5, 9, 14])
     assert torch.equal(ids_d, ids_s)
     torch.testing.assert_close(lp_s, lp_d, rtol=0, atol=1e-5)
 
@@ -115,14 +116,15 @@ def test_a_distribution_with_nan_is_refused():
         model.lm_head.weight[3] = float("nan")
     ids, mask = torch.tensor([[7, 8]]), torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="sums to zero or holds NaN"):
-        decode_static(model, ids, mask, repeats=2, max_new_tokens=4, eos_ids=[1], pad_id=0, draw=DRAWS["sampled"],
-                      check_every=16)
+        decode_static(model, ids, mask, repeats=2, max_new_tokens=4, eos_ids=[1], pad_id=0,
+                      draw=DRAWS["sampled"], check_every=16)
 
 
 def test_grouped_attention_equals_attention_over_repeated_heads_in_float64():
     torch.manual_seed(0)
     n, heads, kv, q, width, d = 3, 6, 2, 2, 7, 8
-    query, key, value = torch.randn(n, heads, q, d), torch.randn(n, kv, width, d), torch.randn(n, kv, width, d)
+    query, key, value = (torch.randn(n, heads, q, d), torch.randn(n, kv, width, d),
+                         torch.randn(n, kv, width, d))
     allowed = torch.rand(n, 1, q, width) > 0.4
     allowed[..., 0] = True  # every query sees at least one key
     out, _ = grouped_attention(None, query, key, value, allowed, scaling=0.3)
@@ -227,8 +229,8 @@ def test_a_lora_model_samples_the_same_on_both_paths():
             if "lora_B" in name:
                 p.normal_(0, 0.2)
     ids, mask, eos = ragged_prompts(model, tok)
-    (ids_d, lp_d), (ids_s, lp_s) = both_paths(model, ids, mask, DRAWS["sampled"], repeats=2, max_new_tokens=10,
-                                              eos_ids=[eos])
+    (ids_d, lp_d), (ids_s, lp_s) = both_paths(model, ids, mask, DRAWS["sampled"], repeats=2,
+                                              max_new_tokens=10, eos_ids=[eos])
     assert torch.equal(ids_d, ids_s)
     torch.testing.assert_close(lp_s, lp_d, rtol=0, atol=1e-5)
 

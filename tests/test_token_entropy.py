@@ -37,7 +37,8 @@ def test_micro_batch_step_shares_sum_to_the_step_mean():
     ent = 3 * torch.rand(8, 5, generator=g, dtype=torch.float64)
     mask = torch.arange(5)[None, :] < torch.tensor([5, 1, 0, 3, 2, 5, 4, 1])[:, None]
     total = int(mask.sum())
-    shares = sum(token_entropy_mean(ent[i:i + 3], mask[i:i + 3], num_valid_tokens=total) for i in range(0, 8, 3))
+    shares = sum(token_entropy_mean(ent[i:i + 3], mask[i:i + 3], num_valid_tokens=total)
+                 for i in range(0, 8, 3))
     want = ent[mask].sum().item() / total
     assert shares.item() == pytest.approx(want, abs=1e-12)
     assert token_entropy_mean(ent, mask).item() == pytest.approx(want, abs=1e-12)
@@ -98,16 +99,18 @@ def test_the_loss_pools_the_valid_tokens_left_after_its_filters():
     assert fn.requires.entropy_pool and not ClippedSurrogate().requires.entropy_pool
     ent = torch.tensor([[1.0, 3.0], [9.0, 9.0], [2.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True], [True, True], [True, False]])
-    batch = MicroBatch(mask, torch.ones(3, dtype=torch.float64), is_truncated=torch.tensor([False, True, False]),
-                       entropy=ent)
+    batch = MicroBatch(mask, torch.ones(3, dtype=torch.float64),
+                       is_truncated=torch.tensor([False, True, False]), entropy=ent)
     share = fn.pooled_entropy(batch)
     assert share.tolist() == [1.0, 3.0, 2.0]  # row 1 (truncated) left out
-    batch = dataclasses.replace(batch, entropy_pool=torch.cat([share, torch.tensor([4.0, 5.0], dtype=share.dtype)]))
+    batch = dataclasses.replace(batch,
+                                entropy_pool=torch.cat([share, torch.tensor([4.0, 5.0], dtype=share.dtype)]))
     lp = leaf([[0.0, 0.0]] * 3)
     out = fn(lp, batch, num_valid_tokens=3, num_sequences=2)
     out.loss.backward()
     # pool 1, 2, 3, 4, 5: median 3 -> only H = 3.0 keeps its policy term (-1/3 each kept token)
-    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1 / 3], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64),
+    torch.testing.assert_close(lp.grad,
+                               torch.tensor([[0.0, -1 / 3], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64),
                                rtol=0, atol=1e-12)
     assert out.metrics["high_entropy_fraction"].item() == pytest.approx(1 / 3)
 
@@ -213,7 +216,8 @@ def test_validation_and_missing_entropy():
     with pytest.raises(ValueError, match=r"entropy shape \(1, 2\) must equal logprobs shape \(1, 1\)"):
         call(fn, leaf([[0.0]]), [[True]], [1.0], entropy=torch.zeros(1, 2))
     both = ClippedSurrogate(entropy_coef=0.1, top_entropy_quantile=0.2)
-    with pytest.raises(ValueError, match=r"top_entropy_quantile=0.2 and entropy_coef=0.1 needs batch.entropy"):
+    with pytest.raises(ValueError, match=r"top_entropy_quantile=0.2 and entropy_coef=0.1 "
+                                         r"needs batch.entropy"):
         call(both, leaf([[0.0]]), [[True]], [1.0])
 
 
@@ -245,8 +249,10 @@ def test_loss_and_gradient_equal_trl_with_top_entropy_quantile(monkeypatch, micr
         truncated=truncated, entropy=True)
     torch.testing.assert_close(loss, trl_loss.to(loss.dtype), **parity.TOL)
     torch.testing.assert_close(grad, trl_grad, **parity.TOL)
-    plain, _ = parity.both(ClippedSurrogate(0.2, 0.28, 0.1, aggregation, mask_truncated=truncated is not None),
-                           trl_type, micro_batch_size, trl_kwargs=dict(epsilon=0.2, epsilon_high=0.28, beta=0.1),
+    plain, _ = parity.both(ClippedSurrogate(0.2, 0.28, 0.1, aggregation,
+                                            mask_truncated=truncated is not None),
+                           trl_type, micro_batch_size,
+                           trl_kwargs=dict(epsilon=0.2, epsilon_high=0.28, beta=0.1),
                            truncated=truncated, entropy=True)
     assert not torch.allclose(plain[1], grad)  # the mask did change the gradient
 

@@ -55,7 +55,8 @@ def trl_loss(loss_type, lp, mask, adv, old=None, ref=None, *, epsilon=0.2, epsil
         off_policy_mask_threshold=None, aux_loss_enabled=False, use_vllm=False,
         vllm_importance_sampling_correction=False, max_completion_length=MAX_LEN,
         current_gradient_accumulation_steps=accumulation, accelerator=SingleProcess(),
-        model=SimpleNamespace(training=True), _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        model=SimpleNamespace(training=True),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         entropy_coef=entropy_coef, _entropy_bonus_enabled=entropy_coef != 0.0, use_adaptive_entropy=False,
         args=SimpleNamespace(delta=delta, use_bias_correction_kl=bias_correction_kl,
                              steps_per_generation=accumulation),
@@ -122,7 +123,8 @@ KL = dict(beta=0.1)  # TRL's k3, with use_bias_correction_kl=False (see the test
     (ClippedSurrogate(0.2, 0.28, 0.1, "constant", MAX_LEN), "dr_grpo", dict(**CLIP, **KL)),
     (GSPO(3e-4, 4e-4), "grpo", dict(epsilon=3e-4, epsilon_high=4e-4, level="sequence")),
     (GSPO(0.1, 0.15, 0.1), "grpo", dict(epsilon=0.1, epsilon_high=0.15, level="sequence", **KL)),
-    (GSPO(0.1, 0.15, 0.1, level="token"), "grpo", dict(epsilon=0.1, epsilon_high=0.15, level="sequence", **KL)),
+    (GSPO(0.1, 0.15, 0.1, level="token"), "grpo",
+     dict(epsilon=0.1, epsilon_high=0.15, level="sequence", **KL)),
     (CISPO(None, 0.3), "cispo", dict(epsilon_high=1.3)),
     (CISPO(None, 4.0, 0.1), "cispo", dict(epsilon_high=5.0, **KL)),
 ], ids=str)
@@ -142,7 +144,8 @@ def test_bnpo_equals_token_aggregation_with_one_micro_batch():
 def test_mask_truncated_equals_trl_dapo():
     ours = ClippedSurrogate(0.2, 0.28, aggregation="token", mask_truncated=True)
     for size in (8, 2):
-        (loss, grad, _), (trl_value, trl_grad, _) = both(ours, "dapo", size, trl_kwargs=CLIP, truncated=TRUNCATED)
+        (loss, grad, _), (trl_value, trl_grad, _) = both(ours, "dapo", size, trl_kwargs=CLIP,
+                                                         truncated=TRUNCATED)
         torch.testing.assert_close(loss, trl_value, **TOL)
         torch.testing.assert_close(grad, trl_grad, **TOL)
 
@@ -236,6 +239,7 @@ def test_cispo_clip_metric_counts_both_signs_trl_only_positive_advantages():
     ratio = torch.exp(lp - old)
     over = (ratio > 1.3) & mask
     nvt = mask.sum()
-    assert out.metrics["clip_fraction"].item() == pytest.approx(((over & (adv != 0)[:, None]).sum() / nvt).item())
+    assert out.metrics["clip_fraction"].item() == pytest.approx(
+        ((over & (adv != 0)[:, None]).sum() / nvt).item())
     assert metrics["cispo_clip_ratio"][0] == pytest.approx(((over & (adv > 0)[:, None]).sum() / nvt).item())
     assert out.metrics["clip_fraction"].item() > metrics["cispo_clip_ratio"][0]

@@ -100,12 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     result["agreement"] = agreement("smoke" if args.cpu else "qwen2.5-0.5b", device, paths)
     a = result["agreement"]
     print(f"decode check: same tokens {a['same_tokens']}, max log-prob difference "
-          f"{max(a['max_logprob_diff'].values()):.2e} ({a['eos_rows']} of {a['rows']} rows end at the EOS)", flush=True)
+          f"{max(a['max_logprob_diff'].values()):.2e} ({a['eos_rows']} of {a['rows']} rows end at the EOS)",
+          flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
     result["speed"] = speed("smoke" if args.cpu else "qwen2.5-1.5b", device, paths, 16 if args.cpu else 128)
     s = result["speed"]
-    print("decode speed, 32 rows: " + ", ".join(f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in s["paths"].items())
+    print("decode speed, 32 rows: "
+          + ", ".join(f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in s["paths"].items())
           + f"; auto picks {s['auto']}", flush=True)
     result["ok"] = all(a["same_tokens"].values())
     if args.out is not None:

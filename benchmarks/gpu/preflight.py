@@ -42,13 +42,15 @@ def run(cpu: bool) -> dict:
     found["cuda"] = torch.version.cuda
     if not cpu:
         if not torch.cuda.is_available():
-            raise Failed("cuda", f"torch {torch.__version__} sees no GPU", "run on the GPU machine, or pass --cpu")
+            raise Failed("cuda", f"torch {torch.__version__} sees no GPU",
+                         "run on the GPU machine, or pass --cpu")
         free, total = torch.cuda.mem_get_info()
         found["gpu"] = torch.cuda.get_device_name()
         found["gpu_free_gib"] = round(free / 2**30, 1)
         found["gpu_total_gib"] = round(total / 2**30, 1)
         if free / 2**30 < MIN_FREE_GIB:
-            raise Failed("memory", f"{free / 2**30:.1f} GiB free on the GPU, the run needs {MIN_FREE_GIB:.0f}",
+            raise Failed("memory",
+                         f"{free / 2**30:.1f} GiB free on the GPU, the run needs {MIN_FREE_GIB:.0f}",
                          "free the GPU (another process holds it)")
     compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
@@ -66,7 +68,8 @@ def run(cpu: bool) -> dict:
     from math_verify import parse, verify
 
     if not verify(parse("$\\frac{1}{2}$"), parse("$0.5$")):
-        raise Failed("math_verify", "1/2 and 0.5 were not verified equal", "check the latex2sympy2 / antlr4 wheels")
+        raise Failed("math_verify", "1/2 and 0.5 were not verified equal",
+                     "check the latex2sympy2 / antlr4 wheels")
     if not cpu:
         import bitsandbytes.functional as bnbf
 
@@ -78,7 +81,8 @@ def run(cpu: bool) -> dict:
             raise Failed("bitsandbytes", f"a 4-bit round trip on the GPU failed ({str(failure)[:200]})",
                          "carry a bitsandbytes wheel with this CUDA's library (fetch_wheels.sh)") from None
         if not error < 0.5:
-            raise Failed("bitsandbytes", f"a 4-bit round trip is off by {error}", "check the bitsandbytes wheel")
+            raise Failed("bitsandbytes", f"a 4-bit round trip is off by {error}",
+                         "check the bitsandbytes wheel")
     return found
 
 
@@ -92,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         found, line, code = run(args.cpu), None, 0
         found["ok"] = True
         gpu = f"{found['gpu']} ({found['gpu_free_gib']} GiB free), " if "gpu" in found else ""
-        line = (f"preflight ok: Python {found['python']}, torch {found['torch']} (CUDA {found['cuda']}), {gpu}"
-                f"cc {found['compiler']}, {len(found['versions'])} packages import")
+        line = (f"preflight ok: Python {found['python']}, torch {found['torch']} (CUDA {found['cuda']}), "
+                f"{gpu}cc {found['compiler']}, {len(found['versions'])} packages import")
     except Failed as failure:
         found, code = {"ok": False, "check": failure.check, "error": str(failure)}, 2
         line = f"preflight FAILED: {failure}"

@@ -29,7 +29,8 @@ def slim(wheel: Path, drop: list[str]) -> list[str]:
         names = source.namelist()
         removed = [n for n in names if any(fnmatch.fnmatch(n, pattern) for pattern in drop)]
         if not removed:
-            raise ValueError(f"no file of {wheel.name} matches {drop}; check the patterns against its contents")
+            raise ValueError(f"no file of {wheel.name} matches {drop}; "
+                             "check the patterns against its contents")
         record = next((n for n in names if n.endswith(".dist-info/RECORD")), None)
         if record is None:
             raise ValueError(f"{wheel.name} has no .dist-info/RECORD; it is not a wheel")
@@ -41,7 +42,8 @@ def slim(wheel: Path, drop: list[str]) -> list[str]:
                     continue
                 data = source.read(info.filename)
                 if info.filename == record:
-                    keep = [line for line in data.decode().splitlines() if line.split(",", 1)[0] not in removed]
+                    keep = [line for line in data.decode().splitlines()
+                            if line.split(",", 1)[0] not in removed]
                     data = ("\n".join(keep) + "\n").encode()
                 target.writestr(info, data)
     os.replace(tmp, wheel)  # atomic: the wheel is either the old one or the complete new one

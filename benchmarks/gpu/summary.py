@@ -66,7 +66,8 @@ def _goals(reports: dict[str, dict]) -> list[str]:
          _gib(get("gpu-1.5b", "ours", "peak_reserved_mib")), lambda v: v < 8)
     goal("the same under the 8 GiB plan (gpu-1.5b-8gib, ours), GiB",
          _gib(get("gpu-1.5b-8gib", "ours", "peak_reserved_mib")), lambda v: v < 8)
-    goal("1.5B LoRA: peak allocated ours / TRL <= 0.35", get("gpu-1.5b", "ratio_peak_memory"), lambda v: v <= 0.35)
+    goal("1.5B LoRA: peak allocated ours / TRL <= 0.35", get("gpu-1.5b", "ratio_peak_memory"),
+         lambda v: v <= 0.35)
     goal("7B QLoRA: peak reserved < 12 GiB, GiB", _gib(get("gpu-7b-qlora", "ours", "peak_reserved_mib")),
          lambda v: v < 12)
     for preset in PRESETS:
@@ -91,22 +92,24 @@ def summarize(out: Path) -> str:
         lines.append("decode check: did not run")
     else:
         a = check.get("agreement", {})
-        lines.append(f"decode check: same tokens on every path: {all(a.get('same_tokens', {0: False}).values())} "
+        lines.append("decode check: same tokens on every path: "
+                     f"{all(a.get('same_tokens', {0: False}).values())} "
                      f"{a.get('same_tokens')}, max log-prob difference "
                      f"{_f(max(a.get('max_logprob_diff', {'-': 0}).values()), '.1e')}")
         if "speed" in check:
             s = check["speed"]
             lines.append(f"decode speed at {s['rows']} rows x {s['new_tokens']} tokens: " + ", ".join(
-                f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in s["paths"].items()) + f"; auto picks {s['auto']}")
+                f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in s["paths"].items())
+                + f"; auto picks {s['auto']}")
     reports = {p: r for p in PRESETS if (r := _load(out / f"{p}.json")) is not None}
     if reports:
         any_report = next(iter(reports.values()))
         v = any_report.get("versions", {})
         lines.append(f"hardware: {any_report.get('hardware')}; torch {v.get('torch')}, transformers "
                      f"{v.get('transformers')}, peft {v.get('peft')}, TRL {v.get('trl')} (TRL without vLLM)")
-    lines.append(f"{'preset':14}{'engine':6}{'step s':>8}{'gen s':>8}{'prefill':>8}{'decode':>8}{'train s':>8}"
-                 f"{'opt s':>7}{'gen t/s':>9}{'roof':>6}{'MFU':>6}{'peak GiB s/t/o':>16}{'resv':>7}{'1st s':>6}"
-                 f"{'pred/m':>7}  decoding")
+    lines.append(f"{'preset':14}{'engine':6}{'step s':>8}{'gen s':>8}{'prefill':>8}{'decode':>8}"
+                 f"{'train s':>8}{'opt s':>7}{'gen t/s':>9}{'roof':>6}{'MFU':>6}{'peak GiB s/t/o':>16}"
+                 f"{'resv':>7}{'1st s':>6}{'pred/m':>7}  decoding")
     for preset in PRESETS:
         report = reports.get(preset)
         if report is None:
@@ -120,7 +123,8 @@ def summarize(out: Path) -> str:
                          f"{report['ratio_peak_memory']:.2f}, generation tokens/s "
                          f"{_f(report.get('ratio_generation_tokens_per_s'))}")
         if (report.get("ours") or {}).get("decoding_fallback"):
-            lines.append(f"{'':14}NOTE: no CUDA graph, decoded eagerly: {report['ours']['decoding_fallback']}")
+            lines.append(f"{'':14}NOTE: no CUDA graph, decoded eagerly: "
+                         f"{report['ours']['decoding_fallback']}")
         lines += [f"{'':14}PROBLEM: {x}" for x in report.get("problems", [])]
         lines += [f"{'':14}ERROR: {x.splitlines()[0]}" for x in report.get("errors", [])]
     if reports and all(r.get("device") == "cpu" for r in reports.values()):

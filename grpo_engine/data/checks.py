@@ -64,17 +64,18 @@ def check_prompts(
     lengths = [prompt_length(p) for p in prompts]
     long = [(p, n) for p, n in zip(prompts, lengths) if n > max_prompt_tokens]
     if long and overlong == "error":
-        raise data_error([f"{p.location}: {n} tokens > max_prompt_tokens={max_prompt_tokens}" for p, n in long],
+        raise data_error([f"{p.location}: {n} tokens > max_prompt_tokens={max_prompt_tokens}"
+                          for p, n in long],
                          "training prompts", "overlong_prompts='error': raise max_prompt_tokens, or set "
                          "overlong_prompts='truncate' or 'drop'")
     kept = [p for p, n in zip(prompts, lengths) if n <= max_prompt_tokens]
     if long:
         if not kept:
-            raise DataError(f"every training prompt is longer than max_prompt_tokens={max_prompt_tokens} (the "
-                            f"shortest has {min(lengths)} tokens); raise max_prompt_tokens")
+            raise DataError(f"every training prompt is longer than max_prompt_tokens={max_prompt_tokens} "
+                            f"(the shortest has {min(lengths)} tokens); raise max_prompt_tokens")
         warnings.warn(f"dropped {len(long)} of {len(prompts)} training prompts longer than max_prompt_tokens="
-                      f"{max_prompt_tokens} (overlong_prompts='drop'; first: {long[0][0].location}, {long[0][1]} "
-                      "tokens)", stacklevel=3)
+                      f"{max_prompt_tokens} (overlong_prompts='drop'; first: {long[0][0].location}, "
+                      f"{long[0][1]} tokens)", stacklevel=3)
     return kept
 
 
@@ -94,14 +95,14 @@ def training_prompts(prompts: Any, check_targets: Callable[[Sequence[Prompt]], l
     """
     source = prompts if isinstance(prompts, PromptSource) else None
     given = list(source.prompts) if source is not None else to_prompts(prompts, name="prompts")
-    kept = check_prompts(given, check_targets, prompt_length=prompt_length, max_prompt_tokens=max_prompt_tokens,
-                         overlong=overlong)
+    kept = check_prompts(given, check_targets, prompt_length=prompt_length,
+                         max_prompt_tokens=max_prompt_tokens, overlong=overlong)
     if source is None:
         return PromptStream(kept, batch_size, seed=seed)
     if len(kept) != len(given):
         raise ValueError(f"overlong_prompts='drop' would drop {len(given) - len(kept)} prompts of the "
-                         f"{type(source).__name__} given, which cannot lose prompts once built; pass the prompts "
-                         "as a list, or filter them before building it")
+                         f"{type(source).__name__} given, which cannot lose prompts once built; pass the "
+                         "prompts as a list, or filter them before building it")
     return source
 
 
@@ -116,6 +117,7 @@ def _warn_duplicates(prompts: Sequence[Prompt]) -> None:
             first[key] = prompt
     if repeats:
         original, copy = repeats[0]
-        warnings.warn(f"{len(repeats)} of {len(prompts)} training prompts repeat an earlier one (same question and "
-                      f"target; first: {copy.location} repeats {original.location}); they are kept and sampled as "
-                      "often as they appear: remove them from the data if that is not what you meant", stacklevel=3)
+        warnings.warn(f"{len(repeats)} of {len(prompts)} training prompts repeat an earlier one (same "
+                      f"question and target; first: {copy.location} repeats {original.location}); they are "
+                      "kept and sampled as often as they appear: remove them from the data if that is not "
+                      "what you meant", stacklevel=3)

@@ -103,7 +103,8 @@ class PromptStream:
         return self._pass.position
 
     def next_batch(self, size: int | None = None) -> list[Prompt]:
-        """Returns the next ``size`` prompts (default ``batch_size``), crossing into the next epoch if needed."""
+        """Returns the next ``size`` prompts (default ``batch_size``), crossing into the next epoch if
+        needed."""
         size = self.batch_size if size is None else size
         if size < 1:
             raise DataError(f"size={size} must be >= 1; ask for at least one prompt")

@@ -117,7 +117,8 @@ def semantic_entropy(
     if cluster_ids.dim() != 2:
         raise ValueError(f"cluster_ids shape {tuple(cluster_ids.shape)} must be 2-D [B, G]")
     b, g = cluster_ids.shape
-    dtype = torch.float32 if log_likelihood is None else torch.promote_types(log_likelihood.dtype, torch.float32)
+    dtype = (torch.float32 if log_likelihood is None
+             else torch.promote_types(log_likelihood.dtype, torch.float32))
     if members is None:
         members = torch.ones(b, g, dtype=torch.bool, device=cluster_ids.device)
     # in_cluster[b, c, s]: completion s is a member and lies in cluster c
@@ -135,7 +136,8 @@ def semantic_entropy(
     entropy = -p_log_p.sum(dim=1)
     if normalize:
         log_m = m.to(dtype).clamp(min=1).log()
-        entropy = torch.where(m >= 2, entropy / log_m.clamp(min=torch.finfo(dtype).tiny), torch.zeros_like(entropy))
+        entropy = torch.where(m >= 2, entropy / log_m.clamp(min=torch.finfo(dtype).tiny),
+                              torch.zeros_like(entropy))
     return entropy
 
 
@@ -159,7 +161,8 @@ class SemanticEntropy:
 
     Example:
         >>> from grpo_engine.types import Prompt
-        >>> texts = ("<answer>1/2</answer>", "<answer>0.5</answer>", r"\\boxed{\\frac{1}{2}}", "<answer>3</answer>")
+        >>> texts = ("<answer>1/2</answer>", "<answer>0.5</answer>", r"\\boxed{\\frac{1}{2}}",
+        ...          "<answer>3</answer>")
         >>> z, ones = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.bool)
         >>> batch = RolloutBatch((Prompt("Half of 1?", "0.5"),), 4, z, ones, z, ones, ~ones[:, 0], texts)
         >>> rewards = RewardOutput(torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
@@ -206,10 +209,12 @@ class SemanticEntropy:
         elif self.correct_key in rewards.breakdown:
             scores = rewards.scored(self.correct_key, f"SemanticEntropy(correct_key={self.correct_key!r})")
         else:
-            raise ValueError(f"SemanticEntropy: correct_key={self.correct_key!r} is not a reward in the breakdown "
-                             f"{sorted(rewards.breakdown)}; pass one of those names, or None to use rewards.total")
+            raise ValueError(f"SemanticEntropy: correct_key={self.correct_key!r} is not a reward in the "
+                             f"breakdown {sorted(rewards.breakdown)}; pass one of those names, or None to "
+                             "use rewards.total")
         if tuple(scores.shape) != shape:
-            raise ValueError(f"SemanticEntropy: correctness scores shape {tuple(scores.shape)} must be [B, G]={shape}")
+            raise ValueError(f"SemanticEntropy: correctness scores shape {tuple(scores.shape)} must be "
+                             f"[B, G]={shape}")
         right = scores >= self.correct_threshold
         return right if self.among == "right" else ~right
 

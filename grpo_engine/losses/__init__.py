@@ -14,5 +14,6 @@ from grpo_engine.losses.gspo import GSPO
 from grpo_engine.losses.terms import EntropyBonus, HighEntropyTokens, KLPenalty, MaskTruncated, TruncatedIS
 from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator, kl_k1, kl_k2, kl_k3
 
-__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty",
-           "EntropyBonus", "AGGREGATIONS", "aggregate", "KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]
+__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "MaskTruncated", "TruncatedIS", "HighEntropyTokens",
+           "KLPenalty", "EntropyBonus", "AGGREGATIONS", "aggregate", "KL_ESTIMATORS", "kl_estimator", "kl_k1",
+           "kl_k2", "kl_k3"]

@@ -15,10 +15,11 @@ from torch import Tensor
 from grpo_engine.ops.kl import KL_ESTIMATORS
 from grpo_engine.types import MicroBatch
 
-__all__ = ["compute_dtype", "masked", "policy_inputs", "ratio_inputs", "safe_exp", "step_counts", "nonnegative",
-           "check_kl_estimator", "check_call", "MAX_LOG_RATIO"]
+__all__ = ["compute_dtype", "masked", "policy_inputs", "ratio_inputs", "safe_exp", "step_counts",
+           "nonnegative", "check_kl_estimator", "check_call", "MAX_LOG_RATIO"]
 
-MAX_LOG_RATIO = 20.0  # |log ratio| is clamped here before exp: e^20 ~ 4.9e8, no float32 overflow (e^88.7 is inf)
+# |log ratio| is clamped here before exp: e^20 ~ 4.9e8, no float32 overflow (e^88.7 is inf)
+MAX_LOG_RATIO = 20.0
 
 
 def safe_exp(log_ratio: Tensor) -> Tensor:

@@ -84,7 +84,8 @@ class ClippedSurrogate:
         problems = common.nonnegative(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
                                       kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
         if self.aggregation not in AGGREGATIONS:
-            problems.append(f"aggregation={self.aggregation!r} is not one of {AGGREGATIONS}; pick one of them")
+            problems.append(f"aggregation={self.aggregation!r} is not one of {AGGREGATIONS}; "
+                            "pick one of them")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             problems.append(f"max_completion_tokens={self.max_completion_tokens!r} must be >= 1; pass the "
                             "generation limit")
@@ -92,22 +93,23 @@ class ClippedSurrogate:
             problems.append("aggregation='constant' divides by max_completion_tokens, which is None; pass "
                             "max_completion_tokens (the generation limit)")
         if self.delta is not None and not self.delta > 1 + self.clip_eps_high:
-            problems.append(f"delta={self.delta!r} must be > 1 + clip_eps_high = {1 + self.clip_eps_high}; pass a "
-                            "larger cap (INTELLECT-2 uses 4) or None")
+            problems.append(f"delta={self.delta!r} must be > 1 + clip_eps_high = {1 + self.clip_eps_high}; "
+                            "pass a larger cap (INTELLECT-2 uses 4) or None")
         problems.extend(common.check_kl_estimator(self.kl_estimator))
         made: list[Any] = []
         try:
             made += [MaskTruncated()] if self.mask_truncated else []
             made += [TruncatedIS(self.tis_cap)] if self.tis_cap is not None else []
-            made += [HighEntropyTokens(self.top_entropy_quantile)] if self.top_entropy_quantile is not None else []
+            made += ([HighEntropyTokens(self.top_entropy_quantile)]
+                     if self.top_entropy_quantile is not None else [])
             made += [KLPenalty(self.kl_coef, self.kl_estimator)] if self.kl_coef > 0 and not problems else []
             made += [EntropyBonus(self.entropy_coef)] if self.entropy_coef > 0 else []
         except ValueError as error:
             problems.append(str(error))
         unknown = [t for t in self.terms if not isinstance(t, (RowFilter, LossTerm))]
         if unknown:
-            problems.append(f"terms {unknown!r} are neither a RowFilter (keep_rows) nor a LossTerm (called on a "
-                            "TokenLoss), each with `requires` (grpo_engine.protocols)")
+            problems.append(f"terms {unknown!r} are neither a RowFilter (keep_rows) nor a LossTerm (called "
+                            "on a TokenLoss), each with `requires` (grpo_engine.protocols)")
         if problems:
             raise ValueError("invalid ClippedSurrogate: " + "; ".join(problems))
         made += list(self.terms)

@@ -48,8 +48,8 @@ class MaskTruncated:
     def keep_rows(self, is_truncated: Tensor | None) -> Tensor:
         """[N] rows that count: those that ended with EOS."""
         if is_truncated is None:
-            raise ValueError("mask_truncated=True needs is_truncated (the truncation flags), which is None; pass "
-                             "batch.is_truncated, or drop the MaskTruncated term")
+            raise ValueError("mask_truncated=True needs is_truncated (the truncation flags), which is None; "
+                             "pass batch.is_truncated, or drop the MaskTruncated term")
         return ~is_truncated.to(torch.bool)
 
 
@@ -89,8 +89,8 @@ class HighEntropyTokens:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile={self.quantile!r} must be in [0, 1] (the fraction of tokens "
-                             "kept); the paper uses 0.2, None turns it off")
+            raise ValueError(f"top_entropy_quantile={self.quantile!r} must be in [0, 1] (the fraction of "
+                             "tokens kept); the paper uses 0.2, None turns it off")
 
     def __str__(self) -> str:  # how errors name it: the setting that made it
         return f"top_entropy_quantile={self.quantile}"
@@ -120,8 +120,8 @@ class KLPenalty:
         if not self.coef > 0:
             raise ValueError(f"kl_coef={self.coef!r} must be > 0 for a KL term; drop the term to turn it off")
         if not (isinstance(self.estimator, str) and self.estimator in KL_ESTIMATORS):
-            raise ValueError(f"kl_estimator={self.estimator!r} is not one of {tuple(KL_ESTIMATORS)}; pick one "
-                             "of them")
+            raise ValueError(f"kl_estimator={self.estimator!r} is not one of {tuple(KL_ESTIMATORS)}; "
+                             "pick one of them")
 
     def __str__(self) -> str:  # how errors name it: the setting that made it
         return f"kl_coef={self.coef}"
@@ -145,7 +145,8 @@ class EntropyBonus:
 
     def __post_init__(self) -> None:
         if not self.coef > 0:
-            raise ValueError(f"entropy_coef={self.coef!r} must be > 0 for a bonus; drop the term to turn it off")
+            raise ValueError(f"entropy_coef={self.coef!r} must be > 0 for a bonus; "
+                             "drop the term to turn it off")
 
     def __str__(self) -> str:  # how errors name it: the setting that made it
         return f"entropy_coef={self.coef}"

@@ -63,8 +63,8 @@ def check_scores(name: str, scores: Tensor, prompts: Sequence[Prompt], completio
     if bad:
         first = bad[0]
         raise RewardError(
-            f"reward {name!r} returned {scores[first].item()!r} (float) on sample {first} (non-finite scores at "
-            f"samples {bad[:8]}); a score must be a finite real number (return a float, e.g. 0.0); "
+            f"reward {name!r} returned {scores[first].item()!r} (float) on sample {first} (non-finite "
+            f"scores at samples {bad[:8]}); a score must be a finite real number (return a float, e.g. 0.0); "
             f"question={excerpt(prompts[first].question)}, completion={excerpt(completions[first])}"
         )
     return scores

@@ -67,7 +67,8 @@ class WeightedSum:
 
     def __init__(self, rewards: Sequence[RewardFn | RewardTransform], *, normalize: Normalize = "after_sum",
                  timeout_s: float | None = None, on_error: Literal["raise", "zero"] | None = None) -> None:
-        self.transforms: tuple[RewardTransform, ...] = tuple(r for r in rewards if isinstance(r, RewardTransform))
+        self.transforms: tuple[RewardTransform, ...] = tuple(
+            r for r in rewards if isinstance(r, RewardTransform))
         rewards = tuple(_as_reward(r) for r in rewards if not isinstance(r, RewardTransform))
         if not rewards:
             raise ValueError(
@@ -76,7 +77,8 @@ class WeightedSum:
         if normalize not in get_args(Normalize):
             raise ValueError(
                 f"WeightedSum: normalize={normalize!r} must be 'after_sum' (weighted sum of raw scores) or "
-                "'each' (group-z-score each reward, then sum); for example WeightedSum(rewards, normalize='each')"
+                "'each' (group-z-score each reward, then sum); for example "
+                "WeightedSum(rewards, normalize='each')"
             )
         seen: dict[str, RewardFn] = {}
         for reward in rewards:
@@ -98,7 +100,8 @@ class WeightedSum:
             seen[name] = reward
         self.rewards: tuple[RewardFn, ...] = rewards
         self.normalize: Normalize = normalize
-        self.runner = None if timeout_s is None and on_error is None else RewardRunner(timeout_s, on_error or "raise")
+        self.runner = (None if timeout_s is None and on_error is None
+                       else RewardRunner(timeout_s, on_error or "raise"))
 
     def check(self, prompts: Sequence[Prompt]) -> list[str]:
         """Every problem the rewards find with the prompts' targets (``Reward.check``), one line each,
@@ -166,8 +169,8 @@ class WeightedSum:
             breakdown[reward.name] = scores
             if self.normalize == "each":
                 if scores.isnan().any():
-                    raise RewardError(f"reward {reward.name!r} returned None for some samples, which normalize='each' "
-                                      "cannot z-score; use normalize='after_sum'")
+                    raise RewardError(f"reward {reward.name!r} returned None for some samples, which "
+                                      "normalize='each' cannot z-score; use normalize='after_sum'")
                 scores = group_zscore(scores, 1e-6, "WeightedSum")
             total = total + float(reward.weight) * scores.nan_to_num(nan=0.0)  # None: left out of the sum
         return RewardOutput(total=total, breakdown=breakdown, errors=errors)

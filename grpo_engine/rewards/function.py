@@ -44,7 +44,8 @@ class FunctionReward:
 
     allows_none = True  # WeightedSum: a NaN score is "does not apply", not an error
 
-    def __init__(self, fn: Callable[..., Sequence[float | None]], weight: float = 1.0, name: str | None = None) -> None:
+    def __init__(self, fn: Callable[..., Sequence[float | None]], weight: float = 1.0,
+                 name: str | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"FunctionReward needs a function, got {type(fn).__name__}")
         self.fn = fn
@@ -60,18 +61,21 @@ class FunctionReward:
     def __call__(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> Tensor:
         """[N] float32 scores, NaN where the function returned None."""
         if len(prompts) != len(completions):
-            raise ValueError(f"reward {self.name!r}: got {len(prompts)} prompts and {len(completions)} completions")
+            raise ValueError(f"reward {self.name!r}: got {len(prompts)} prompts and {len(completions)} "
+                             "completions")
         contents = [list(p.content) if isinstance(p.content, tuple) else p.content for p in prompts]
         try:
             scores = list(self.fn(prompts=contents, completions=list(completions), **columns(prompts)))
         except Exception as exc:
-            raise RewardError(f"reward {self.name!r} (function {getattr(self.fn, '__qualname__', self.fn)}) raised "
-                              f"{type(exc).__name__} on a batch of {len(completions)} samples: {exc}") from exc
+            raise RewardError(f"reward {self.name!r} (function {getattr(self.fn, '__qualname__', self.fn)}) "
+                              f"raised {type(exc).__name__} on a batch of {len(completions)} samples: "
+                              f"{exc}") from exc
         if len(scores) != len(completions):
             raise RewardError(f"reward {self.name!r} returned {len(scores)} scores for {len(completions)} "
                               "completions; return one score (or None) per completion")
         out = []
-        for i, value in enumerate(scores):  # None is "does not apply"; a NaN the function computed is an error
+        # None is "does not apply"; a NaN the function computed is an error
+        for i, value in enumerate(scores):
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
                                       or not math.isfinite(value)):
                 raise RewardError(f"reward {self.name!r} returned {value!r} for sample {i} (completion="
@@ -87,6 +91,7 @@ def columns(prompts: Sequence[Prompt]) -> dict[str, list[Any]]:
     keys: dict[str, None] = {}
     for prompt in prompts:
         keys.update(dict.fromkeys(prompt.metadata))
-    out = {key: [p.metadata.get(key) for p in prompts] for key in keys if key not in ("prompts", "completions")}
+    out = {key: [p.metadata.get(key) for p in prompts] for key in keys
+           if key not in ("prompts", "completions")}
     out["target"] = [p.target for p in prompts]
     return out

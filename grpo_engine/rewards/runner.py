@@ -94,10 +94,10 @@ class RewardRunner:
         thread.start()
         thread.join(self.timeout_s)
         if thread.is_alive():
-            raise RewardTimeout(f"reward {name!r} did not return within {self.timeout_s:g} s on a batch of {n} "
-                                "completions (it keeps running in the background); make it faster, raise "
-                                "GRPOConfig.reward_timeout_s, or set on_reward_error='zero' to score such "
-                                "batches 0")
+            raise RewardTimeout(f"reward {name!r} did not return within {self.timeout_s:g} s on a batch of "
+                                f"{n} completions (it keeps running in the background); make it faster, "
+                                "raise GRPOConfig.reward_timeout_s, or set on_reward_error='zero' to score "
+                                "such batches 0")
         if "error" in box:
             error = box["error"]
             if isinstance(error, RewardError):
@@ -110,11 +110,12 @@ class RewardRunner:
         """``scores`` when they are a floating [N] tensor of allowed values, else RewardError."""
         name, n = reward.name, len(texts)
         if not isinstance(scores, Tensor):
-            raise RewardError(f"reward {name!r} returned {type(scores).__name__}; a RewardFn must return a float "
-                              f"tensor of shape [N]=[{n}] (torch.tensor(scores, dtype=torch.float32))")
+            raise RewardError(f"reward {name!r} returned {type(scores).__name__}; a RewardFn must return a "
+                              f"float tensor of shape [N]=[{n}] (torch.tensor(scores, dtype=torch.float32))")
         if tuple(scores.shape) != (n,):
-            raise RewardError(f"reward {name!r} returned shape {tuple(scores.shape)}; expected [N]=[{n}], one "
-                              "score per completion (flatten it, and score batch.row_prompts/batch.texts)")
+            raise RewardError(f"reward {name!r} returned shape {tuple(scores.shape)}; expected [N]=[{n}], "
+                              "one score per completion (flatten it, and score "
+                              "batch.row_prompts/batch.texts)")
         if not scores.is_floating_point():
             raise RewardError(f"reward {name!r} returned dtype {scores.dtype}; expected a floating dtype "
                               "(torch.float32); convert with .float()")
@@ -133,7 +134,8 @@ def trainer_runner(own: RewardRunner | None, config: Any) -> RewardRunner:
     if own is None:
         return configured
     if own != configured and {"reward_timeout_s", "on_reward_error"} & config.model_fields_set:
-        raise ValueError(f"WeightedSum(timeout_s={own.timeout_s!r}, on_error={own.on_error!r}) and GRPOConfig("
-                         f"reward_timeout_s={config.reward_timeout_s!r}, on_reward_error={config.on_reward_error!r}) "
-                         "both set how the rewards run, differently; set them in one place (GRPOConfig)")
+        raise ValueError(f"WeightedSum(timeout_s={own.timeout_s!r}, on_error={own.on_error!r}) and "
+                         f"GRPOConfig(reward_timeout_s={config.reward_timeout_s!r}, "
+                         f"on_reward_error={config.on_reward_error!r}) both set how the rewards run, "
+                         "differently; set them in one place (GRPOConfig)")
     return own

@@ -53,7 +53,8 @@ class DynamicSampling:
             ValueError: ``key``'s reward returned None for some sample (a group's spread is undefined).
         """
         if self.key is not None and self.key not in rewards.breakdown:
-            raise KeyError(f"DynamicSampling(key={self.key!r}) but the rewards are {sorted(rewards.breakdown)}; "
-                           "use one of those names or key=None")
-        signal = rewards.total if self.key is None else rewards.scored(self.key, f"DynamicSampling(key={self.key!r})")
+            raise KeyError(f"DynamicSampling(key={self.key!r}) but the rewards are "
+                           f"{sorted(rewards.breakdown)}; use one of those names or key=None")
+        signal = (rewards.total if self.key is None
+                  else rewards.scored(self.key, f"DynamicSampling(key={self.key!r})"))
         return (signal != signal[:, :1]).any(dim=1).cpu()

@@ -61,8 +61,8 @@ def resolve_decoding(decoding: str, model: nn.Module, device: torch.device) -> s
         raise ValueError(f"decoding={decoding!r} needs the static path, which cannot run this model: {why}; "
                          "use decoding='dynamic' (or 'auto')")
     if decoding == "cuda_graph" and device.type != "cuda":
-        raise ValueError(f"decoding='cuda_graph' needs a CUDA device, the model is on {device}; use 'static', "
-                         "'compiled' or 'auto'")
+        raise ValueError(f"decoding='cuda_graph' needs a CUDA device, the model is on {device}; use "
+                         "'static', 'compiled' or 'auto'")
     return decoding
 
 
@@ -94,7 +94,8 @@ class _TemperatureRecorder(LogitsProcessor):
         if sequences.shape[1] > self.prompt_width + len(self.logprobs):
             self._collect(sequences[:, -1])
         self._last = None
-        return torch.stack(self.logprobs, dim=1) if self.logprobs else sequences.new_zeros(sequences.shape[0], 0)
+        return (torch.stack(self.logprobs, dim=1) if self.logprobs
+                else sequences.new_zeros(sequences.shape[0], 0))
 
 
 def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -173,7 +174,8 @@ class HFSampler:
             raise ValueError(f"decoding={decoding!r} is not one of {', '.join(DECODING_PATHS)}; use 'auto'")
         self.decoding = decoding
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
-        self.last_decoding: dict = {}  # the last call's decoding path ("path"), and a CUDA-graph capture error
+        # the last call's decoding path ("path"), and a CUDA-graph capture error
+        self.last_decoding: dict = {}
         self.last_truncated, self._warned_truncation = 0, False  # prompts cut to max_prompt_tokens
         if merge_lora:
             check_mergeable(model)
@@ -206,7 +208,8 @@ class HFSampler:
         if budget < 2:  # the template alone is too long: keep the end
             return ids[-limit:]
         middle = ids[head:len(ids) - tail]
-        return ids[:head] + middle[:budget - budget // 2] + middle[len(middle) - budget // 2:] + ids[len(ids) - tail:]
+        return (ids[:head] + middle[:budget - budget // 2] + middle[len(middle) - budget // 2:]
+                + ids[len(ids) - tail:])
 
     def encode_prompts(self, prompts: Sequence[Prompt]) -> tuple[Tensor, Tensor]:
         """Left-padded ids [B, P] and mask [B, P] of the rendered prompts; a prompt longer than
@@ -217,8 +220,9 @@ class HFSampler:
         if self.last_truncated and not self._warned_truncation:
             self._warned_truncation = True
             warnings.warn(f"{self.last_truncated} prompt(s) of a batch are longer than max_prompt_tokens="
-                          f"{self.max_prompt_tokens}: their question lost its middle (the template's head and tail "
-                          "kept); raise max_prompt_tokens, or set GRPOConfig(overlong_prompts='drop' or 'error')",
+                          f"{self.max_prompt_tokens}: their question lost its middle (the template's head "
+                          "and tail kept); raise max_prompt_tokens, or set "
+                          "GRPOConfig(overlong_prompts='drop' or 'error')",
                           stacklevel=3)
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -254,7 +258,8 @@ class HFSampler:
                     args = (self.model, ids if shared else prompt_ids, mask if shared else prompt_mask)
                     self.last_clock = PhaseClock(device)
                     self.last_clock.mark("start")
-                    kwargs = dict(repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
+                    kwargs = dict(repeats=group_size if shared else 1,
+                                  max_new_tokens=self.max_completion_tokens,
                                   eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw(temperature),
                                   clock=self.last_clock, row_offset=draws.first_prompt * group_size,
                                   total_rows=draws.total(len(prompts)) * group_size)
@@ -264,7 +269,8 @@ class HFSampler:
                             completion_ids, logprobs = decode(*args, **kwargs)
                         else:
                             completion_ids, logprobs = decode_static(
-                                *args, **kwargs, mode="eager" if path == "static" else path, info=self.last_decoding)
+                                *args, **kwargs, mode="eager" if path == "static" else path,
+                                info=self.last_decoding)
                 else:
                     completion_ids, logprobs = self._generate(prompt_ids, prompt_mask, temperature)
         finally:
@@ -283,9 +289,11 @@ class HFSampler:
 
     def token_draw(self, temperature: float) -> TokenDraw:
         """The token draw of the sampler's settings at ``temperature``."""
-        return TokenDraw(temperature=temperature, top_k=self.top_k, top_p=self.top_p, logprobs=self.return_logprobs)
+        return TokenDraw(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
+                         logprobs=self.return_logprobs)
 
-    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor, temperature: float) -> tuple[Tensor, Tensor | None]:
+    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor,
+                  temperature: float) -> tuple[Tensor, Tensor | None]:
         """Completion ids [N, C] and log-probs from the model's own ``generate()`` (a model that is not
         a transformers causal LM)."""
         recorder = _TemperatureRecorder(temperature, prompt_ids.shape[1], record=self.return_logprobs)
@@ -295,6 +303,7 @@ class HFSampler:
         )
         sequences = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                                         generation_config=config,
-                                        logits_processor=LogitsProcessorList([recorder,
-                                                                              *self.token_draw(temperature).warpers]))
-        return sequences[:, prompt_ids.shape[1]:], recorder.finish(sequences) if self.return_logprobs else None
+                                        logits_processor=LogitsProcessorList(
+                                            [recorder, *self.token_draw(temperature).warpers]))
+        return (sequences[:, prompt_ids.shape[1]:],
+                recorder.finish(sequences) if self.return_logprobs else None)
