@@ -75,7 +75,8 @@ class Eval(HeldOutEval):
     """Held-out pass@1 at every step (rank 0 evaluates; under FSDP2 with the whole model gathered)."""
 
     def __init__(self):
-        super().__init__([Prompt(f"{a}+{a}=", str(2 * a)) for a in range(2, 6)], every_steps=1, max_new_tokens=4)
+        super().__init__([Prompt(f"{a}+{a}=", str(2 * a)) for a in range(2, 6)], every_steps=1,
+                         max_new_tokens=4)
 
 
 def case(name: str) -> dict:
@@ -83,20 +84,23 @@ def case(name: str) -> dict:
     lora = MemoryPlan(lora=LoRA(r=4), micro_batch_size=4)
     cases = {
         "sequence": dict(loss=ClippedSurrogate(aggregation="sequence"), memory=lora),
-        "token": dict(loss=ClippedSurrogate(aggregation="token"), memory=MemoryPlan(micro_batch_size=3)),  # full FT
+        # full FT
+        "token": dict(loss=ClippedSurrogate(aggregation="token"), memory=MemoryPlan(micro_batch_size=3)),
         "constant": dict(loss=ClippedSurrogate(aggregation="constant", max_completion_tokens=C),
                          advantage=GroupNormalized(std_scope="none"), memory=lora),
         "batch_std": dict(advantage=GroupNormalized(std_scope="batch"), memory=lora),
-        "reinforce_pp": dict(advantage=ReinforcePlusPlusBaseline(), loss=ClippedSurrogate(aggregation="token"),
-                             memory=lora),
-        "kl_reward": dict(rewards=[DigitShare(), KLRewardPenalty(0.5)], memory=lora),  # reference pass, transform
+        "reinforce_pp": dict(advantage=ReinforcePlusPlusBaseline(),
+                             loss=ClippedSurrogate(aggregation="token"), memory=lora),
+        # reference pass, transform
+        "kl_reward": dict(rewards=[DigitShare(), KLRewardPenalty(0.5)], memory=lora),
         "curriculum": dict(curriculum=True, entropy=SemanticEntropy(), memory=lora,
                            callbacks=[AdaptiveTemperature(collapse_fraction=0.0, step=0.1)]),
         "dynamic": dict(sampler=DynamicSampling(max_rounds=3), rewards=[StartsWithDigit()], memory=lora),
         "top_entropy": dict(loss=ClippedSurrogate(top_entropy_quantile=0.2),  # one micro-batch per rank
                             memory=MemoryPlan(lora=LoRA(r=4), micro_batch_size=16)),
         "dynamic_top_entropy": dict(sampler=DynamicSampling(max_rounds=3), rewards=[StartsWithDigit()],
-                                    loss=PoolRecorder(), memory=MemoryPlan(lora=LoRA(r=4), micro_batch_size=2)),
+                                    loss=PoolRecorder(),
+                                    memory=MemoryPlan(lora=LoRA(r=4), micro_batch_size=2)),
         "fsdp_lora": dict(memory=MemoryPlan(lora=LoRA(r=4), micro_batch_size=4, sharding="fsdp",
                                             merge_lora_for_sampling=True), callbacks=[Eval()]),
         "fsdp_full": dict(loss=ClippedSurrogate(aggregation="token"), memory=MemoryPlan(micro_batch_size=3,
@@ -116,7 +120,8 @@ def build(name: str, out: Path, steps: int, resume: str | None = None) -> GRPOTr
     if demo:  # the demo's task, recipe and schedule on the tiny model (which needs a reward with signal)
         prompts, _ = arithmetic_task(40, 4, seed=0)
         config = GRPOConfig(prompts_per_step=8, group_size=4, max_completion_tokens=16, learning_rate=3e-4,
-                            lr_schedule="cosine", max_steps=steps, seed=0, output_dir=str(out), progress_bar=False)
+                            lr_schedule="cosine", max_steps=steps, seed=0, output_dir=str(out),
+                            progress_bar=False)
         rewards, template = [MathAccuracy(isolate=False), DigitShare()], ChatTemplate(instruction=" Reply.")
     else:
         prompts = [Prompt(f"{a}+{b}=", str(a + b)) for a, b in SUMS]
@@ -145,14 +150,17 @@ def run(name: str, out: Path, resume: str | None = None) -> dict:
     step = trainer.optimizer.step
 
     def recording_step(*args, **kwargs):
-        record["grads"].append([full_value(p.grad).detach().clone() for p in trainable_parameters(trainer.model)])
+        record["grads"].append([full_value(p.grad).detach().clone()
+                                for p in trainable_parameters(trainer.model)])
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
     while trainer.step_count < steps:
         metrics = trainer.step()
-        record["weights"].append([full_value(p).detach().clone() for p in trainable_parameters(trainer.model)])
-        record["metrics"].append({k: v for k, v in metrics.items() if not k.startswith(("time/", "tokens/generated_"))})
+        record["weights"].append([full_value(p).detach().clone()
+                                  for p in trainable_parameters(trainer.model)])
+        record["metrics"].append({k: v for k, v in metrics.items()
+                                  if not k.startswith(("time/", "tokens/generated_"))})
         if isinstance(trainer.loss, PoolRecorder):
             record["pools"].append(list(trainer.loss.pools))
             trainer.loss.pools.clear()
@@ -171,7 +179,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.cases:
-        resume = None if args.resume_step is None else str(Path(args.out) / name / f"checkpoint-{args.resume_step}")
+        resume = (None if args.resume_step is None
+                  else str(Path(args.out) / name / f"checkpoint-{args.resume_step}"))
         run(name, Path(args.out), resume)
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "grpo_engine"
-INFRASTRUCTURE = ("grpo_engine.distributed", "grpo_engine.world", "grpo_engine.checkpoint", "grpo_engine.guards")
+INFRASTRUCTURE = ("grpo_engine.distributed", "grpo_engine.world", "grpo_engine.checkpoint",
+                  "grpo_engine.guards")
 COMPONENTS = ("grpo_engine.losses", "grpo_engine.rewards", "grpo_engine.advantages", "grpo_engine.entropy",
               "grpo_engine.sampling", "grpo_engine.data", "grpo_engine.presets")
 

@@ -50,7 +50,8 @@ def test_train_runs_from_yaml_on_a_local_model(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(f"""
 model: {model_dir}
-train_prompts: {{function: grpo_engine.data.load_jsonl_prompts, path: {data}, question_field: q, answer_field: a}}
+train_prompts: {{function: grpo_engine.data.load_jsonl_prompts, path: {data}, question_field: q,
+                answer_field: a}}
 rewards:
   - {{class: grpo_engine.rewards.MathAccuracy}}
   - {{class: tests.test_trainer.DigitShare, weight: 0.5}}

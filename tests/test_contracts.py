@@ -75,9 +75,10 @@ def test_a_loss_term_written_from_the_protocol_adds_its_penalty_and_its_needs():
     out.loss.backward()
     assert out.loss.item() == pytest.approx(0.0125, abs=1e-15)
     assert logp.grad[0].tolist() == pytest.approx([0.05, 0.0], abs=1e-15)
-    with pytest.raises(ValueError, match=r"SquaredDistance object at .* needs batch.ref_logprobs \[n, C\], which "
-                                         r"is None"):
-        loss_fn(logp, MicroBatch(batch.completion_mask, batch.advantages), num_valid_tokens=2, num_sequences=1)
+    with pytest.raises(ValueError, match=r"SquaredDistance object at .* needs batch.ref_logprobs \[n, C\], "
+                                         r"which is None"):
+        loss_fn(logp, MicroBatch(batch.completion_mask, batch.advantages), num_valid_tokens=2,
+                num_sequences=1)
     with pytest.raises(ValueError, match="neither a RowFilter .* nor a LossTerm"):
         ClippedSurrogate(terms=("kl",))
 
@@ -112,7 +113,8 @@ def test_what_a_loss_declares_is_what_the_trainer_computes(tmp_path):
         def __call__(self, logprobs, batch, *, num_valid_tokens, num_sequences):
             calls.append((logprobs.shape[0], batch.ref_logprobs is not None, batch.old_logprobs is not None,
                           batch.entropy is not None, num_sequences))
-            return super().__call__(logprobs, batch, num_valid_tokens=num_valid_tokens, num_sequences=num_sequences)
+            return super().__call__(logprobs, batch, num_valid_tokens=num_valid_tokens,
+                                    num_sequences=num_sequences)
 
     trainer = trainer_with(tmp_path, Declared())
     assert trainer.reference is not None
@@ -134,8 +136,8 @@ def test_the_other_protocols_are_what_their_components_implement(tmp_path):
 
     trainer = trainer_with(tmp_path, None)
     assert isinstance(trainer.sampler, HFSampler) and isinstance(trainer.sampler, Sampler)
-    assert isinstance(PromptStream(PROMPTS, 2), PromptSource) and isinstance(InformativeCurriculum(PROMPTS, 2),
-                                                                              PromptSource)
+    assert (isinstance(PromptStream(PROMPTS, 2), PromptSource)
+            and isinstance(InformativeCurriculum(PROMPTS, 2), PromptSource))
     assert isinstance(KLRewardPenalty(0.1), RewardTransform)
     assert isinstance(DynamicSampling(), GroupFilter) and not isinstance(DynamicSampling(), Sampler)
 
@@ -168,8 +170,8 @@ def test_callbacks_see_every_event_in_order_and_can_stop_and_save(tmp_path):
 
     trainer = trainer_with(tmp_path, None, max_steps=5, callbacks=[Recorder()])
     history = trainer.train()
-    assert events == ["init", "train_start", "rollout", "step_end 1", "save checkpoint-1", "rollout", "step_end 2",
-                      "save final", "train_end"]
+    assert events == ["init", "train_start", "rollout", "step_end 1", "save checkpoint-1", "rollout",
+                      "step_end 2", "save final", "train_end"]
     assert len(history) == 2 and all(m["custom/seen"] == 1.0 for m in history)  # added metrics are logged
     assert (tmp_path / "checkpoint-1").is_dir()
 

@@ -19,8 +19,8 @@ from grpo_engine.distributed import World
 from grpo_engine.types import Prompt, RewardOutput, Rollout, RolloutBatch, StepRollout
 from tests import _dp_run
 
-CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "dynamic", "demo",
-         "top_entropy", "fsdp_lora", "fsdp_full", "fsdp_top_entropy"]
+CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "dynamic",
+         "demo", "top_entropy", "fsdp_lora", "fsdp_full", "fsdp_top_entropy"]
 TWO_RANKS_ONLY = ["dynamic_top_entropy"]  # checked against what its ranks recorded, not against one process
 WORKER = Path(_dp_run.__file__)
 
@@ -29,10 +29,11 @@ WORKER = Path(_dp_run.__file__)
 def runs(tmp_path_factory):
     """(two-rank folder, one-process folder), each with every case run (_dp_run.steps_of)."""
     root = tmp_path_factory.mktemp("dp")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-               str(root / "two"), *CASES, *TWO_RANKS_ONLY]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKER), str(root / "two"), *CASES, *TWO_RANKS_ONLY]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for case in CASES:
@@ -54,7 +55,8 @@ def test_two_ranks_give_the_gradients_weights_and_metrics_of_one_process(runs, c
     two, one = (load(folder, case) for folder in runs)
     assert len(two["grads"]) == len(one["grads"]) >= 2
     for step, (g2, g1) in enumerate(zip(two["grads"], one["grads"])):
-        assert max(float(g.abs().max()) for g in g1) > 1e-4, f"step {step + 1}: nothing trained, a vacuous check"
+        assert max(float(g.abs().max()) for g in g1) > 1e-4, (f"step {step + 1}: nothing trained, "
+                                                               "a vacuous check")
         assert max_diff(g2, g1) < 1e-6, f"step {step + 1}: gradients differ"
     for w2, w1 in zip(two["weights"], one["weights"]):
         assert max_diff(w2, w1) < 1e-6
@@ -94,7 +96,8 @@ def test_an_fsdp_checkpoint_holds_one_optimizer_shard_per_rank(runs):
     """The weights are one ordinary model file; the optimizer state is torch.distributed.checkpoint's
     shards (one file per rank), nothing of it in trainer_state.pt."""
     folder = runs[0] / "fsdp_full" / "checkpoint-1"
-    assert sorted(p.name for p in (folder / "optimizer").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (folder / "optimizer").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                       "__1_0.distcp"]
     state = torch.load(folder / "trainer_state.pt", weights_only=False)
     assert state["optimizer"] is None and state["optimizer_format"] == "dcp"
     assert (folder / "model.safetensors").is_file()
@@ -111,10 +114,11 @@ def test_checkpoints_reshard_onto_two_fsdp_ranks(runs, tmp_path):
     two, one = runs
     shutil.copytree(two / "fsdp_full", tmp_path / "fsdp_full")
     shutil.copytree(one / "fsdp_lora", tmp_path / "fsdp_lora")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-               str(tmp_path), "fsdp_full", "fsdp_lora", "--resume-step", "1"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKER), str(tmp_path), "fsdp_full", "fsdp_lora", "--resume-step", "1"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for case in ("fsdp_full", "fsdp_lora"):
@@ -131,7 +135,8 @@ def test_fsdp_refuses_what_it_cannot_shard(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"sharding='fsdp' does not take optimizer='adamw8bit'"):
         _dp_run.GRPOTrainer(_dp_run.tiny_llama(len(tokenizer)), [_dp_run.DigitShare()],
                             [_dp_run.Prompt("1+1=", "2"), _dp_run.Prompt("1+2=", "3")],
-                            _dp_run.GRPOConfig(prompts_per_step=2, output_dir=str(tmp_path)), tokenizer=tokenizer,
+                            _dp_run.GRPOConfig(prompts_per_step=2, output_dir=str(tmp_path)),
+                            tokenizer=tokenizer,
                             memory=_dp_run.MemoryPlan(sharding="fsdp", optimizer="adamw8bit"))
 
 
@@ -142,13 +147,14 @@ def test_fsdp_on_a_torch_without_sum_only_fsdp2_says_so(monkeypatch):
     from grpo_engine.distributed import fully_shard_model
 
     monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
-    with pytest.raises(RuntimeError, match=r"sharding='fsdp' needs FSDP2 .* lacks; install a newer torch, or use "
-                                           r"sharding='none'"):
+    with pytest.raises(RuntimeError, match=r"sharding='fsdp' needs FSDP2 .* lacks; install a newer torch, "
+                                           r"or use sharding='none'"):
         fully_shard_model(_dp_run.tiny_llama(8))
 
 
 def test_prompts_per_step_must_split_evenly_across_ranks():
-    with pytest.raises(ValueError, match=r"prompts_per_step=6 does not split across 4 processes.*e\.g\. 4 or 8"):
+    with pytest.raises(ValueError, match=r"prompts_per_step=6 does not split across 4 processes"
+                                         r".*e\.g\. 4 or 8"):
         World(rank=0, size=4).check_prompts_per_step(6)
     World(rank=1, size=2).check_prompts_per_step(6)
 
@@ -166,10 +172,12 @@ def _rollout(groups: int, first: int, marks: list[bool] | None = None) -> Rollou
 
 def test_each_rank_takes_its_slice_in_rank_order_and_its_rows_of_the_whole_step():
     assert World(rank=1, size=2).share(["a", "b", "c", "d"]) == (["c", "d"], 2)
-    assert World(rank=0, size=2).share(["a", "b", "c"]) == (["a", "b"], 0)  # the first len % K ranks: one more
+    # the first len % K ranks: one more
+    assert World(rank=0, size=2).share(["a", "b", "c"]) == (["a", "b"], 0)
     assert World(rank=1, size=2).share(["a", "b", "c"]) == (["c"], 2)
     # rank 0 drew 2 groups (rows 0-3), rank 1 one group (rows 4-5); a filter kept groups 1 and 2
-    local, whole = _rollout(1, 4, [True]), Rollout.concat([_rollout(2, 0, [False, True]), _rollout(1, 4, [True])])
+    local, whole = _rollout(1, 4, [True]), Rollout.concat([_rollout(2, 0, [False, True]),
+                                                           _rollout(1, 4, [True])])
     step = StepRollout(local, whole, groups_per_rank=(2, 1), rank=1)
     assert step.local_rows(torch.arange(6)).tolist() == [4, 5]
     kept = step.trained()
@@ -218,7 +226,8 @@ def test_fsdp_refuses_a_group_filter(tmp_path, monkeypatch):
 
 RUN_FILE = """
 model: {model}
-train_prompts: {{function: grpo_engine.data.load_jsonl_prompts, path: {data}, question_field: q, answer_field: a}}
+train_prompts: {{function: grpo_engine.data.load_jsonl_prompts, path: {data}, question_field: q,
+                answer_field: a}}
 rewards:
   - {{class: grpo_engine.rewards.MathAccuracy, isolate: false}}
   - {{class: tests._dp_run.DigitShare, weight: 0.5}}
@@ -247,7 +256,8 @@ def test_grpo_engine_train_under_torchrun_logs_once_and_trains_like_one_process(
         (tmp_path / f"{name}.yaml").write_text(RUN_FILE.format(model=tmp_path / "model", data=data,
                                                                out=tmp_path / name))
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                "grpo_engine.cli", "train", str(tmp_path / "two.yaml")]
@@ -258,7 +268,8 @@ def test_grpo_engine_train_under_torchrun_logs_once_and_trains_like_one_process(
 
     def lines(name):
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in row.items() if not k.startswith(("time/", "tokens/generated_"))} for row in rows]
+        return [{k: v for k, v in row.items() if not k.startswith(("time/", "tokens/generated_"))}
+                for row in rows]
 
     two, one = lines("two"), lines("one")
     assert [row["step"] for row in two] == [1, 2]  # one line per step: rank 0 alone writes

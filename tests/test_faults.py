@@ -387,11 +387,12 @@ def test_cli_refuses_a_used_output_dir_without_touching_it_and_resumes_with_name
         path = tmp_path / f"run-{max_steps}.yaml"
         path.write_text(f"""
 model: {model_dir}
-train_prompts: {{function: grpo_engine.data.load_jsonl_prompts, path: {data}, question_field: q, answer_field: a}}
+train_prompts: {{function: grpo_engine.data.load_jsonl_prompts, path: {data}, question_field: q,
+                answer_field: a}}
 rewards: [{{class: {reward}}}, {{class: tests.test_trainer.DigitShare, weight: 0.5}}]
 template: {{class: grpo_engine.data.PlainTemplate, format: "{{question}}="}}
-config: {{prompts_per_step: 2, group_size: 3, max_completion_tokens: 6, max_steps: {max_steps}, output_dir: {out},
-          progress_bar: false, save_every_steps: 1}}
+config: {{prompts_per_step: 2, group_size: 3, max_completion_tokens: 6, max_steps: {max_steps},
+          output_dir: {out}, progress_bar: false, save_every_steps: 1}}
 memory: {{lora: {{r: 2, alpha: 4}}, micro_batch_size: 4}}
 imports: [tests]
 """)

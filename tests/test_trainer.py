@@ -28,12 +28,13 @@ class DigitShare(Reward):
 
 def make_trainer(tmp_path, *, memory=None, loss=None, seed=0, components=None, rewards=None, **config):
     tokenizer = char_tokenizer()
-    defaults = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=3, learning_rate=1e-2,
-                    temperature=1.0, seed=seed, output_dir=str(tmp_path), progress_bar=False)
+    defaults = dict(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=3,
+                    learning_rate=1e-2, temperature=1.0, seed=seed, output_dir=str(tmp_path),
+                    progress_bar=False)
     return GRPOTrainer(
         tiny_llama(len(tokenizer), seed=seed), rewards or [DigitShare()], PROMPTS, tokenizer=tokenizer,
-        template=TEMPLATE,
-        config=GRPOConfig(**{**defaults, **config}), memory=memory or MemoryPlan(micro_batch_size=8), loss=loss,
+        template=TEMPLATE, config=GRPOConfig(**{**defaults, **config}),
+        memory=memory or MemoryPlan(micro_batch_size=8), loss=loss,
         **(components or {}),
     )
 
@@ -176,7 +177,8 @@ def test_a_time_budget_drives_the_schedule_when_it_ends_first(tmp_path, monkeypa
 
 def test_a_loop_over_step_drives_the_time_schedule_without_its_evaluations(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, lr_schedule="cosine", max_steps=1000, max_train_seconds=40.0,
-                           learning_rate=0.4, components={"callbacks": [HeldOutEval(PROMPTS[:2], every_steps=1)]})
+                           learning_rate=0.4,
+                           components={"callbacks": [HeldOutEval(PROMPTS[:2], every_steps=1)]})
     now = _ten_seconds_per_sample(trainer, monkeypatch)
     evaluate = trainer.evaluate
 
@@ -212,9 +214,11 @@ def test_the_first_training_pass_records_the_sampling_policys_logprobs(tmp_path)
     trainer.compute_gradients(batch, advantages, record_logprobs=record)
     separate = trainer._logprobs(batch, trainer.model)  # the no-grad pass, weights not yet stepped
     mask = batch.completion_mask.bool()
-    torch.testing.assert_close(record[trained][mask[trained]], separate[trained][mask[trained]], rtol=0, atol=1e-6)
+    torch.testing.assert_close(record[trained][mask[trained]], separate[trained][mask[trained]],
+                               rtol=0, atol=1e-6)
     assert (record[~trained] == 7.0).all()  # skipped rows are never run, and never read
-    trainer.optimizer.step()  # the second update: the ratio against the recorded log-probs steers the gradient
+    # the second update: the ratio against the recorded log-probs steers the gradient
+    trainer.optimizer.step()
     trainer.compute_gradients(batch, advantages, old_logprobs=record)
     with_record = grads(trainer)
     trainer.compute_gradients(batch, advantages, old_logprobs=separate)
@@ -280,7 +284,8 @@ def test_end_to_end_golden_run_saves_a_loadable_adapter(tmp_path):
     batch, _ = sample_with_advantages(trainer)
     args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
     with torch.no_grad():
-        torch.testing.assert_close(completion_logprobs(reloaded, *args), completion_logprobs(trainer.model, *args))
+        torch.testing.assert_close(completion_logprobs(reloaded, *args),
+                                   completion_logprobs(trainer.model, *args))
         base = tiny_llama(len(trainer.tokenizer))
         assert not torch.allclose(completion_logprobs(base, *args), completion_logprobs(trainer.model, *args))
 
@@ -353,8 +358,8 @@ def test_temperature_control_and_curriculum_are_told_about_every_group(tmp_path)
     curriculum = InformativeCurriculum(PROMPTS, batch_size=2, seed=0)
     control = AdaptiveTemperature(initial=0.9, step=0.1, max_temperature=1.05)
     trainer = GRPOTrainer(
-        tiny_llama(len(tokenizer)), [Collapsed(name="acc")], curriculum, tokenizer=tokenizer, template=TEMPLATE,
-        entropy=SemanticEntropy(normalize=True, extract=same_answer), callbacks=[control],
+        tiny_llama(len(tokenizer)), [Collapsed(name="acc")], curriculum, tokenizer=tokenizer,
+        template=TEMPLATE, entropy=SemanticEntropy(normalize=True, extract=same_answer), callbacks=[control],
         config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=6, max_steps=3,
                           temperature=0.9, output_dir=str(tmp_path), progress_bar=False),
     )
@@ -381,7 +386,7 @@ def test_token_entropy_is_logged_from_the_training_pass(tmp_path):
 def test_temperature_control_must_start_at_the_configured_temperature(tmp_path):
     from grpo_engine.entropy import AdaptiveTemperature, SemanticEntropy
 
-    with pytest.raises(ValueError, match=r"starts at 1.0 but config.temperature=0.7: pass AdaptiveTemperature\("
-                                         r"initial=0.7"):
+    with pytest.raises(ValueError, match=r"starts at 1.0 but config.temperature=0.7: pass "
+                                         r"AdaptiveTemperature\(initial=0.7"):
         make_trainer(tmp_path, temperature=0.7, components={
             "entropy": SemanticEntropy(normalize=True), "callbacks": [AdaptiveTemperature()]})
