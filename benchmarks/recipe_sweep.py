@@ -28,7 +28,12 @@ standard error is ~6 points; 256 problems halve it.
         --variant '{}' --variant '{"temperature": 0.8}' --variant '{"lr_schedule": "linear"}'
 
 The last stdout line is one JSON object: ``{variant label: {"curve": [[step, accuracy,
-demo_split, by_kind], ...], "step_s": median step seconds, "sample_s": ..., "train_s": ...}}``.
+demo_split, by_kind], ...], "truncated": [[step, mean truncated_fraction of the steps since the last
+point], ...], "step_s": median step seconds, "sample_s": ..., "train_s": ...}}``; with
+``--eval-at-training-length`` also ``"curve_training_length": [[step, accuracy], ...]``, greedy at
+``max_completion_tokens`` (a policy that runs on past its answer is right there and wrong at 24).
+The rewards are the recipe's (``grpo_engine.demo.recipe_rewards``: ``{"finished_only": false}`` grades
+truncated completions too), and its warm-up (``calibration_steps``) is kept.
 """
 
 from __future__ import annotations
@@ -60,13 +65,13 @@ def build_advantage(spec: dict):
 
 
 def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None, threads: int | None,
-                eval_problems: int | None = None) -> dict:
+                eval_problems: int | None = None, at_training_length: bool = False) -> dict:
     """Trains the demo recipe with ``variant`` applied; returns its accuracy curve and step times."""
     import torch
 
     from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
     from grpo_engine.data import ChatTemplate, arithmetic_task
-    from grpo_engine.demo import DemoSettings, recipe_components, smollm2_folder
+    from grpo_engine.demo import DemoSettings, recipe_components, recipe_rewards, smollm2_folder
     from grpo_engine.eval import greedy_accuracy
     from grpo_engine.losses import ClippedSurrogate
     from grpo_engine.models import load_model
@@ -87,22 +92,31 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
     policy, tokenizer = load_model(model or smollm2_folder())
     train, test = arithmetic_task(s.num_train, max(s.num_test, eval_problems or 0), seed=s.seed)
     template, reward = ChatTemplate(instruction=s.instruction), MathAccuracy()
+    rewards = recipe_rewards(s, reward)  # the training rewards; held-out accuracy is the reward itself
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(**{
             "prompts_per_step": s.prompts_per_step, "group_size": s.group_size, "max_prompt_tokens": 128,
             "max_completion_tokens": s.max_completion_tokens, "max_steps": steps,
+            "warmup_steps": s.calibration_steps,
             "temperature": s.temperature,
             "learning_rate": s.learning_rate, "lr_schedule": s.lr_schedule, "seed": s.seed, "output_dir": out,
             "progress_bar": False, **variant.get("config", {})})
         lora = LoRA(r=s.lora_r, alpha=2 * s.lora_r) if s.lora_r else None
         memory = MemoryPlan(lora=lora, micro_batch_size=s.micro_batch_size,
                             merge_lora_for_sampling=s.merge_lora_for_sampling and lora is not None)
-        trainer = GRPOTrainer(policy, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
+        trainer = GRPOTrainer(policy, rewards, train, config=config, memory=memory, tokenizer=tokenizer,
                               template=template, sampler=dynamic, advantage=advantage, loss=loss)
-        curve = []
+        curve, truncated, short = [], [], []
         for step in range(1, steps + 1):
             trainer.step()
             if step % eval_every == 0 or step == steps:
+                since = truncated[-1][0] if truncated else 0
+                window = [m["truncated_fraction"] for m in trainer.history[since:]]
+                truncated.append([step, sum(window) / len(window)])
+                if at_training_length:
+                    cut = greedy_accuracy(trainer.model, tokenizer, test, reward, template=template,
+                                          max_new_tokens=s.max_completion_tokens, batch_size=64)
+                    short.append([step, cut.accuracy])
                 scores = greedy_accuracy(trainer.model, tokenizer, test, reward, template=template,
                                          max_new_tokens=s.eval_max_new_tokens, batch_size=64).scores
                 correct = [score >= 1.0 for score in scores]
@@ -115,8 +129,9 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
     def median(key: str) -> float | None:
         return harness.median(m[key] for m in trainer.history)
 
-    return {"curve": curve, "step_s": median("time/step_s"), "sample_s": median("time/sample_s"),
-            "train_s": median("time/train_s")}
+    return {"curve": curve, "truncated": truncated, "step_s": median("time/step_s"),
+            "sample_s": median("time/sample_s"), "train_s": median("time/train_s"),
+            **({"curve_training_length": short} if at_training_length else {})}
 
 
 def accuracy_by_kind(problems: list, correct: list[bool]) -> dict[str, list[int]]:
@@ -142,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                         "demo's num_test); the first num_test of them are the demo's held-out set")
     parser.add_argument("--model", help="a transformers folder (default: the demo's SmolLM2-135M-Instruct)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--eval-at-training-length", action="store_true", help="also evaluate greedily at "
+                        "max_completion_tokens (a run-on policy's answers are cut there)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1:
         parser.error("need --steps >= 1 and --eval-every >= 1")
@@ -150,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = [json.loads(v) for v in args.variant] or [{}]
     results = {json.dumps(v, sort_keys=True): run_variant(v, steps=args.steps, eval_every=args.eval_every,
                                                           model=args.model, threads=args.threads,
-                                                          eval_problems=args.eval_problems)
+                                                          eval_problems=args.eval_problems,
+                                                          at_training_length=args.eval_at_training_length)
                for v in variants}
     print(json.dumps(results), flush=True)
     return 0

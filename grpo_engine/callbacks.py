@@ -38,6 +38,8 @@ class TrainerState:
         skipped_in_a_row: of those, how many in a row up to now (the run stops at
             ``max_nonfinite_steps``).
         zero_std_warned: the warning that every group tied (no step changes the policy) was given.
+        planned_steps: the run's step count once a calibrated time budget fixed it (``GRPOConfig.
+            time_budget="calibrated"``), else None.
         loss_metric_keys: the names of the loss's metrics seen so far (a step that trains no row logs
             them as 0).
         process_index, num_processes: this process's rank and the number of ranks (under
@@ -52,6 +54,7 @@ class TrainerState:
     skipped_steps: int = 0
     skipped_in_a_row: int = 0
     zero_std_warned: bool = False
+    planned_steps: int | None = None
     loss_metric_keys: tuple[str, ...] = ("loss",)
     process_index: int = 0
     num_processes: int = 1

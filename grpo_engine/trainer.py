@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from grpo_engine import checkpoint, export, guards
 from grpo_engine.advantages import GroupNormalized
 from grpo_engine.callbacks import Callback, CallbackList, TrainerControl, TrainerState
-from grpo_engine.config import GRPOConfig, lr_factor
+from grpo_engine.config import GRPOConfig, lr_factor, planned_steps, run_finished
 from grpo_engine.data.checks import training_prompts
 from grpo_engine.data.templates import PromptTemplate
 from grpo_engine.distributed import World, parallelism
@@ -126,8 +126,8 @@ class GRPOTrainer:
         self.optimizer = build_optimizer(
             self.model, memory, learning_rate=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(  # warm-up, then steps or seconds, what ends first
-            self.optimizer, lambda step: lr_factor(cfg, step, self.state.train_seconds))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
+            cfg, step, self.state.train_seconds, self.state.planned_steps))  # warm-up, then steps or seconds
         self.gradients = PolicyGradient(self.model, self.loss, memory, self.parallel,
                                         log_entropy=cfg.log_token_entropy)
         self.rollouts = Rollouts(self.sampler, lambda batch: self.rewards(batch, self.reward_runner),
@@ -171,9 +171,7 @@ class GRPOTrainer:
             out, total_steps=None if cfg.max_train_seconds else cfg.max_steps, progress_bar=cfg.progress_bar,
             initial_step=state.step)
         with logger:
-            while state.step < cfg.max_steps and not self.control.should_stop:
-                if cfg.max_train_seconds is not None and state.train_seconds >= cfg.max_train_seconds:
-                    break
+            while not (self.control.should_stop or run_finished(cfg, state)):
                 metrics = self.step()
                 evaluated = any(key.startswith("eval/") for key in metrics)  # an evaluation is never lost
                 logger.log(state.step, metrics, write=state.step % cfg.log_every_steps == 0 or evaluated)
@@ -228,6 +226,7 @@ class GRPOTrainer:
         seconds = timer.seconds()
         seconds = dict(zip(seconds, self.world.max(seconds.values())))  # the slowest rank's: one clock
         state.train_seconds += seconds["time/step_s"]
+        state.planned_steps = planned_steps(self.config, state.step, state.train_seconds, state.planned_steps)
         with warnings.catch_warnings():  # a skipped step calls no optimizer.step(); the schedule advances
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()  # once per step, after the clock, which a time budget's decay reads

@@ -294,6 +294,30 @@ def test_arithmetic_task_errors():
         arithmetic_task(1, -1)
 
 
+def test_comparison_task_asks_for_the_largest_or_smallest_of_distinct_numbers():
+    from grpo_engine.data.synthetic import comparison_task
+
+    train, test = comparison_task(300, 100, seed=3)
+    assert comparison_task(300, 100, seed=3) == (train, test)
+    keys = [(p.metadata["numbers"], p.metadata["kind"]) for p in train + test]
+    assert len(set(keys)) == 400  # no problem twice, none in both splits
+    for p in train + test:
+        numbers, kind = p.metadata["numbers"], p.metadata["kind"]
+        assert len(set(numbers)) == 3 and all(10 <= n <= 99 for n in numbers)
+        assert p.target == str(max(numbers) if kind == "largest" else min(numbers))
+        assert p.question == f"Which is the {kind} of {numbers[0]}, {numbers[1]} and {numbers[2]}?"
+    assert {p.metadata["kind"] for p in train} == {"largest", "smallest"}
+    # count=2, digits=1, largest only: 9 * 8 = 72 problems; asking for all returns each once
+    small = comparison_task(70, 2, count=2, digits=1, kinds=("largest",))
+    assert len({p.metadata["numbers"] for p in small[0] + small[1]}) == 72
+    with pytest.raises(DataError, match="exceeds the 72 distinct problems"):
+        comparison_task(70, 3, count=2, digits=1, kinds=("largest",))
+    with pytest.raises(DataError, match=r"count=1 must be an int from 2 to 9"):
+        comparison_task(1, 1, count=1)
+    with pytest.raises(DataError, match=r"kinds=\('middle',\) must be a non-empty sequence"):
+        comparison_task(1, 1, kinds=("middle",))
+
+
 # ---------------------------------------------------------------- templates
 
 

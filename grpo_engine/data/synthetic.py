@@ -1,15 +1,18 @@
-"""A seeded synthetic integer-arithmetic task (the embedded default for demos and tests).
+"""Seeded synthetic tasks with exact integer answers (the embedded demos and tests).
 
-Implemented: ``arithmetic_task`` draws distinct problems ``a op b`` with both operands of
-exactly ``digits`` digits (``10**(digits-1)`` to ``10**digits - 1``) and ``op`` among ``+``,
-``-``, ``*``. It samples without replacement from the space of all such problems with
-``random.Random(seed)``, so the result depends only on the arguments: no problem appears twice,
-and none appears in both splits. The target is the exact integer result (negative for some
-subtractions).
+- ``arithmetic_task`` draws distinct problems ``a op b`` with both operands of exactly ``digits``
+  digits (``10**(digits-1)`` to ``10**digits - 1``) and ``op`` among ``+``, ``-``, ``*``; the target is
+  the exact result (negative for some subtractions).
+- ``comparison_task`` draws distinct lists of ``count`` different ``digits``-digit numbers and asks for
+  the largest or the smallest (``kinds``); the target is that number.
+
+Each samples without replacement from the space of all its problems with ``random.Random(seed)``, so
+the result depends only on the arguments: no problem appears twice, and none in both splits.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import random
 import string
@@ -18,7 +21,7 @@ from collections.abc import Callable, Sequence
 from grpo_engine.data.loaders import DataError
 from grpo_engine.types import Prompt
 
-__all__ = ["arithmetic_task"]
+__all__ = ["arithmetic_task", "comparison_task"]
 
 _OPS: dict[str, Callable[[int, int], int]] = {
     "+": operator.add,
@@ -84,6 +87,61 @@ def arithmetic_task(
         text = rng.choice(templates).format(a=a, op=op, b=b)
         target = str(_OPS[op](a, b))
         prompts.append(Prompt(text, target=target, metadata={"a": a, "op": op, "b": b}))
+    return prompts[:num_train], prompts[num_train:]
+
+
+def comparison_task(num_train: int, num_test: int, *, seed: int = 0, count: int = 3, digits: int = 2,
+                    kinds: Sequence[str] = ("largest", "smallest"),
+                    question: str = "Which is the {kind} of {numbers}?") -> tuple[list[Prompt], list[Prompt]]:
+    """Builds disjoint train and test splits of "which is the largest / smallest of these numbers" problems.
+
+    Args:
+        num_train, num_test: numbers of prompts (>= 0).
+        seed: seed of the ``random.Random`` that draws the problems (global state is untouched).
+        count: how many different numbers a problem lists (2 to 9).
+        digits: digits of each number (2 gives 10..99).
+        kinds: what is asked, a non-empty subset of ``"largest"``, ``"smallest"``.
+        question: a ``str.format`` template with the fields ``{kind}`` and ``{numbers}`` (written
+            ``"38, 91 and 57"``).
+
+    Returns:
+        ``(train, test)``: prompts whose ``target`` is the answer as a string and whose ``metadata`` is
+        ``{"numbers": (...), "kind": kind}``.
+
+    Raises:
+        DataError: an argument is out of range, or more problems are requested than exist.
+
+    Example:
+        >>> train, _ = comparison_task(2, 1, seed=0)
+        >>> p = train[0]
+        >>> p.target == str((max if p.metadata["kind"] == "largest" else min)(p.metadata["numbers"]))
+        True
+    """
+    _check_arguments(num_train, num_test, digits, ("+",), ["{a}{b}"])
+    if isinstance(count, bool) or not isinstance(count, int) or not 2 <= count <= 9:
+        raise DataError(f"count={count!r} must be an int from 2 to 9 (the numbers a problem lists)")
+    known = not isinstance(kinds, str) and bool(kinds) and set(kinds) <= {"largest", "smallest"}
+    if not known or len(set(kinds)) != len(kinds):
+        raise DataError(f"kinds={kinds!r} must be a non-empty sequence of distinct kinds among 'largest' and "
+                        "'smallest'; for example kinds=('largest',)")
+    low, high = 10 ** (digits - 1), 10**digits
+    if high - low < count:
+        raise DataError(f"count={count} different numbers of {digits} digit(s) do not exist; lower count")
+    rng, seen, prompts = random.Random(seed), set(), []
+    wanted, total = num_train + num_test, math.perm(high - low, count) * len(kinds)
+    if wanted > total:
+        raise DataError(f"num_train + num_test = {wanted} exceeds the {total} distinct problems with "
+                        f"count={count}, digits={digits} and kinds={tuple(kinds)}; ask for fewer, or raise "
+                        "digits")
+    while len(prompts) < wanted:
+        numbers, kind = tuple(rng.sample(range(low, high), count)), rng.choice(list(kinds))
+        if (numbers, kind) in seen:
+            continue
+        seen.add((numbers, kind))
+        listed = ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
+        target = str(max(numbers) if kind == "largest" else min(numbers))
+        prompts.append(Prompt(question.format(kind=kind, numbers=listed), target=target,
+                              metadata={"numbers": numbers, "kind": kind}))
     return prompts[:num_train], prompts[num_train:]
 
 

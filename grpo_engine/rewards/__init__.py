@@ -11,12 +11,13 @@ from grpo_engine.rewards.compose import WeightedSum
 from grpo_engine.rewards.format import BoxedFormat, ThinkAnswerFormat
 from grpo_engine.rewards.function import FunctionReward
 from grpo_engine.rewards.kl_penalty import KLRewardPenalty
-from grpo_engine.rewards.length import OverlongPenalty
+from grpo_engine.rewards.length import FinishedOnly, OverlongPenalty
 from grpo_engine.rewards.math import MathAccuracy, answers_equal, extract_answer, final_answer, last_number
 from grpo_engine.rewards.runner import RewardRunner, RewardTimeout, trainer_runner
 
 __all__ = [
     "BoxedFormat",
+    "FinishedOnly",
     "FunctionReward",
     "KLRewardPenalty",
     "MathAccuracy",

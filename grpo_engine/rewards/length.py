@@ -1,4 +1,11 @@
-"""Length rewards, scored on the sampled token count rather than on the text.
+"""Length rewards, scored on the sampled tokens rather than on the text alone.
+
+:class:`FinishedOnly` counts another reward only where the completion ended (EOS within the limit):
+a truncated completion scores ``unfinished`` (0) whatever its text says. Without it a completion cut at
+the limit is graded on what it wrote so far, so a policy that states the answer and then talks on is
+rewarded like one that stops, drifts into running on, and at a longer generation limit its later
+numbers become its answer (the demo's run-on collapse, docs/benchmarks.md). Unlike a length penalty it
+gives no reason to stop early: an empty completion scores what a wrong one does.
 
 :class:`OverlongPenalty` is the soft overlong punishment of DAPO (arXiv 2503.14476). With L the
 completion length in tokens, L_max = ``max_completion_tokens`` (the hard generation limit) and
@@ -17,8 +24,10 @@ calling it on texts raises a ``TypeError`` that says so.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,7 +35,7 @@ from torch import Tensor
 from grpo_engine.rewards.base import Reward
 from grpo_engine.types import Prompt, RolloutBatch
 
-__all__ = ["OverlongPenalty"]
+__all__ = ["OverlongPenalty", "FinishedOnly"]
 
 
 def _check_tokens(value: object, name: str, fix: str) -> int:
@@ -107,3 +116,52 @@ class OverlongPenalty(Reward):
             "carry; use it inside WeightedSum (which calls score_rollout(batch)), or call "
             ".score_rollout(batch) / .penalty(lengths) yourself"
         )
+
+
+class FinishedOnly(Reward):
+    """``reward``'s score where the completion ended with EOS within the limit, ``unfinished`` where it
+    was truncated (``RolloutBatch.is_truncated``): an answer counts only when the completion ends.
+
+    Args:
+        reward: the reward to gate (e.g. ``MathAccuracy()``); its ``check`` still checks the prompts.
+        unfinished: the score of a truncated completion (0: what a wrong answer scores).
+        weight, name: default to ``reward``'s, so the logs keep its key.
+
+    Example:
+        >>> from grpo_engine.rewards import MathAccuracy
+        >>> FinishedOnly(MathAccuracy(isolate=False)).name
+        'math_accuracy'
+    """
+
+    def __init__(self, reward: Any, unfinished: float = 0.0, weight: float | None = None,
+                 name: str | None = None) -> None:
+        super().__init__(weight=reward.weight if weight is None else weight, name=name or reward.name)
+        if isinstance(unfinished, bool) or not isinstance(unfinished, numbers.Real) or not math.isfinite(
+                unfinished):
+            raise ValueError(f"FinishedOnly: unfinished={unfinished!r} must be a finite real number, e.g. "
+                             "0.0")
+        self.reward, self.unfinished = reward, float(unfinished)
+
+    def __repr__(self) -> str:
+        return f"FinishedOnly({self.reward!r}, unfinished={self.unfinished!r}, weight={self.weight!r})"
+
+    def check(self, prompt: Prompt) -> str | None:
+        """The gated reward's check."""
+        check = getattr(self.reward, "check", None)
+        return check(prompt) if callable(check) else None
+
+    def score_rollout(self, batch: RolloutBatch) -> Tensor:
+        """[N] the gated reward's scores, ``unfinished`` on the truncated completions."""
+        scores = self.reward(batch.row_prompts, batch.texts)
+        truncated = batch.is_truncated.to(scores.device)
+        return torch.where(truncated, torch.full_like(scores, self.unfinished), scores)
+
+    def score(self, prompt: Prompt, completion: str) -> float:
+        """Not available: a text does not say whether it ended. Raises ``TypeError``."""
+        raise TypeError(f"reward {self.name!r} (FinishedOnly) needs to know whether each completion ended, "
+                        "which a text does not carry; use it inside WeightedSum (which calls "
+                        "score_rollout(batch)), or call score_rollout(batch) yourself")
+
+    def __call__(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> Tensor:
+        """Not available: a text does not say whether it ended. Raises ``TypeError``."""
+        return self.score(prompts[0] if prompts else Prompt(""), completions[0] if completions else "")
