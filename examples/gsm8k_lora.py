@@ -1,9 +1,10 @@
-"""GRPO + LoRA on GSM8K from a local JSONL file, sized for one 8-24 GB GPU.
+"""GRPO + LoRA on GSM8K (openai/gsm8k from the hub, or a local JSONL file), sized for one 8-24 GB GPU.
 
 Rewards: MathAccuracy (the final answer, read from the last \\boxed{}) plus a small BoxedFormat bonus.
 Memory: LoRA r=16, gradient checkpointing, 8-bit AdamW, micro-batches of 8 completions.
 
     python examples/gsm8k_lora.py --model Qwen/Qwen2.5-0.5B-Instruct --max-steps 200
+    python examples/gsm8k_lora.py --data path/to/gsm8k/train.jsonl   # a local copy, no download
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct",
                         help="hub id or local transformers folder")
-    parser.add_argument("--data", default="../shared/data/gsm8k/train.jsonl",
-                        help="GSM8K JSONL (question, answer)")
+    parser.add_argument("--data", default=None,
+                        help="local GSM8K JSONL (question, answer); default: openai/gsm8k's train split")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--output-dir", default="runs/gsm8k_lora")
     parser.add_argument("--prompts-per-step", type=int, default=4)
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser.add_argument("--no-progress-bar", action="store_true")
     args = parser.parse_args(argv)
 
-    prompts = load_gsm8k(args.data)  # target = the number after "####"; the worked solution goes to metadata
+    # None downloads the hub's train split; target = the number after "####", the worked solution in metadata
+    prompts = load_gsm8k(args.data)
     config = GRPOConfig(
         prompts_per_step=args.prompts_per_step,
         group_size=args.group_size,

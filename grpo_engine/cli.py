@@ -213,8 +213,8 @@ def _eval_prompts(args: argparse.Namespace) -> list:
     if args.dataset == "gsm8k":  # no --data: the hub's openai/gsm8k (needs the network)
         return load_gsm8k(args.data, split=args.split, limit=args.limit)
     if args.data is None:
-        raise DataError(f"--dataset {args.dataset} needs --data PATH (a local JSONL file, e.g. "
-                        "../shared/data/math500/test.jsonl)")
+        raise DataError(f"--dataset {args.dataset} needs --data PATH (a local JSONL file, e.g. MATH-500's "
+                        "test.jsonl)")
     if args.dataset == "math500":
         return load_math500(args.data, limit=args.limit)
     return load_jsonl_prompts(args.data, question_field=args.question_field or "question",

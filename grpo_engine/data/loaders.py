@@ -129,7 +129,7 @@ def load_gsm8k(
         DataError: the file or the hub cannot be read, or a record is malformed.
 
     Example:
-        >>> load_gsm8k("shared/data/gsm8k/test.jsonl", limit=2)[0].target  # doctest: +SKIP
+        >>> load_gsm8k("gsm8k/test.jsonl", limit=2)[0].target  # doctest: +SKIP
         '18'
     """
     source = str(path) if path is not None else f"openai/gsm8k:main/{split}"

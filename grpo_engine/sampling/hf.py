@@ -8,7 +8,8 @@
   draw: ``decoding="dynamic"`` (:mod:`grpo_engine.sampling.decode`: a row leaves the batch at its EOS),
   or ``"static"``, ``"compiled"``, ``"cuda_graph"`` (:mod:`grpo_engine.sampling.static`: a static KV cache
   and fixed-shape steps, run as Python, through ``torch.compile`` or replayed as a CUDA graph). ``"auto"``
-  takes the path measured faster on the device: ``cuda_graph`` on a GPU, ``dynamic`` on the CPU. Any
+  takes ``dynamic`` on the CPU (measured faster there) and ``cuda_graph`` on a GPU (by design: no GPU
+  run has measured it yet). Any
   other model is sampled with its own ``generate()``.
 - ``share_prompt``: one forward over the B distinct prompts fills a KV cache that is repeated G times.
 - Temperature first, then top-k / top-p. ``sampler_logprobs`` are the log-probs of the temperature-scaled
@@ -45,7 +46,7 @@ DECODING_PATHS = ("auto", "dynamic", "static", "compiled", "cuda_graph")
 
 
 def resolve_decoding(decoding: str, model: nn.Module, device: torch.device) -> str:
-    """The decoding path to run: ``decoding`` itself, or for ``"auto"`` the one measured faster on
+    """The decoding path to run: ``decoding`` itself, or for ``"auto"`` the one meant to be faster on
     ``device`` (CUDA: ``cuda_graph``; CPU: ``dynamic``); ``dynamic`` where the static path cannot run
     the model (:func:`~grpo_engine.sampling.static.supports_static`).
 
