@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test lint install-dev install-demo clean
+.PHONY: demo test lint rehearse install-dev install-demo clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,6 +30,10 @@ install-demo: $(VENV)/.demo
 
 test: $(VENV)/.dev
 	$(PY) -m pytest tests --doctest-modules grpo_engine
+
+# the GPU run rehearsed on the CPU in a venv mirroring the GPU machine (benchmarks/gpu/rehearse.sh)
+rehearse:
+	bash benchmarks/gpu/rehearse.sh
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check grpo_engine tests examples benchmarks

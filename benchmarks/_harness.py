@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 RESULT_TAG = "BENCHMARK_RESULT "  # a worker's result line on stdout: the tag, then one JSON object
+PARTIAL_TAG = "BENCHMARK_PARTIAL "  # the result so far, printed after each measured step (emit_partial)
 LAUNCHED_AT = "BENCHMARK_LAUNCHED_AT"  # the environment variable run_worker sets to the launch time
 TAIL_CHARS = 3000  # of a failed worker's output, in its error
 
@@ -59,6 +60,12 @@ def emit(result: dict) -> None:
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
+def emit_partial(result: dict) -> None:
+    """Prints the result so far (after a measured step): what :func:`run_worker` returns, marked
+    ``"partial": true``, when the worker is killed or crashes before :func:`emit`."""
+    print(PARTIAL_TAG + json.dumps(result), flush=True)
+
+
 def launched_at() -> float:
     """In a worker: when the parent launched it (epoch seconds; now when not started by run_worker)."""
     return float(os.environ.get(LAUNCHED_AT, time.time()))
@@ -70,9 +77,11 @@ def run_worker(name: str, args: Sequence[str], timeout: float, env: dict[str, st
 
     The result is the JSON of the worker's last stdout line that starts with ``RESULT_TAG`` (see
     :func:`emit`), whatever its exit status (a crash at interpreter shutdown keeps a finished
-    measurement). Its stderr goes to ``log`` as it runs, appended after a ``--- name`` line, then
-    any other stdout; without a log it is kept only for the error, which ends with its last
-    ``TAIL_CHARS`` characters. After ``timeout`` seconds the worker is killed.
+    measurement). A worker killed at its time limit, or failing, without that line returns both its
+    last ``PARTIAL_TAG`` result (:func:`emit_partial`, marked ``"partial": True``) and the error:
+    the steps it measured are kept. Its stderr goes to ``log`` as it runs, appended after a
+    ``--- name`` line, then any other stdout; without a log it is kept only for the error, which
+    ends with its last ``TAIL_CHARS`` characters. After ``timeout`` seconds the worker is killed.
 
     Example:
         >>> run_worker("demo", ["-c", "print('BENCHMARK_RESULT {\\"x\\": 1}')"], timeout=60)
@@ -89,19 +98,34 @@ def run_worker(name: str, args: Sequence[str], timeout: float, env: dict[str, st
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sink, text=True, timeout=timeout,
                                   env=env)
         except subprocess.TimeoutExpired as stopped:
-            _append(sink, name, _text(stopped.stdout), "killed: timed out")
-            return None, f"{name}: worker timed out after {timeout:.0f} s" + (f" (log: {log})" if log else "")
+            stdout = _text(stopped.stdout)
+            _append(sink, name, stdout, "killed: timed out")
+            error = f"{name}: worker timed out after {timeout:.0f} s" + (f" (log: {log})" if log else "")
+            return _tagged(stdout, PARTIAL_TAG), error
         _append(sink, name, proc.stdout, f"exit {proc.returncode}")
         sink.seek(start)
         tail = sink.read()[-TAIL_CHARS:]
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):]), None
-    return None, f"{name}: worker failed (exit {proc.returncode}{where}):\n{tail}"
+    result = _tagged(proc.stdout, RESULT_TAG)
+    if result is not None:
+        return result, None
+    error = f"{name}: worker failed (exit {proc.returncode}{where}):\n{tail}"
+    return _tagged(proc.stdout, PARTIAL_TAG), error
+
+
+def _tagged(stdout: str, tag: str) -> dict | None:
+    """The JSON of the last line of ``stdout`` that starts with ``tag``; a partial one is marked so."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(tag):
+            try:
+                result = json.loads(line[len(tag):])
+            except json.JSONDecodeError:  # a line cut by the kill
+                continue
+            return {**result, "partial": True} if tag == PARTIAL_TAG else result
+    return None
 
 
 def _append(sink, name: str, stdout: str, end: str) -> None:
-    other = [line for line in stdout.splitlines() if not line.startswith(RESULT_TAG)]
+    other = [line for line in stdout.splitlines() if not line.startswith((RESULT_TAG, PARTIAL_TAG))]
     sink.seek(0, os.SEEK_END)
     if other:
         sink.write(f"--- {name}: stdout\n" + "\n".join(other) + "\n")

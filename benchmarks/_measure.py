@@ -7,7 +7,7 @@
   GPU the caching allocator's peak allocated and reserved bytes (host-side statistics: reading and
   resetting them adds no synchronisation), on the CPU the resident-set high-water mark.
 - :func:`decode_roofline` and :func:`training_mfu`: what a decode step must read from memory, and
-  the FLOPs a training pass must compute, against the H200's measured ceilings.
+  the FLOPs a training pass must compute, against the H200's ceilings (see below).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 
 __all__ = ["StageClock", "PhaseMemory", "decode_roofline", "training_mfu", "HBM_BYTES_PER_S", "BF16_FLOPS"]
 
-HBM_BYTES_PER_S = 4.3e12  # the H200's device-to-device copy, measured (bytes read + written per second)
-BF16_FLOPS = 790e12  # an 8192^3 bfloat16 matrix product on the H200, measured
+# the H200's ceilings as reported for the lent machines, not measured by this project's scripts:
+HBM_BYTES_PER_S = 4.3e12  # a device-to-device copy, bytes read + written per second
+BF16_FLOPS = 790e12  # an 8192^3 bfloat16 matrix product
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits per weight, block scales, double quantisation
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -131,6 +132,13 @@ class PhaseMemory:
                 if value is not None and (best[key] is None or value > best[key]):
                     best[key] = value
         self.current = phase
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """The peaks so far, the current phase's included; the current phase goes on."""
+        current = self.current
+        if current is not None:
+            self.enter(current)
+        return {k: dict(v) for k, v in self.peaks.items() if k != "done"}
 
     def finish(self) -> dict[str, dict[str, float]]:
         self.enter("done")

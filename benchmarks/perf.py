@@ -34,10 +34,10 @@ and ``optimizer.step``, and the trainer's own reward / log-prob timers; the samp
 end of its prefill, which splits generation into prefill and decode. TRL's come from wrappers
 around its methods: ``_generate`` (generation), ``_calculate_rewards``,
 ``_get_per_token_logps_and_entropies`` under no_grad (log-prob passes), ``training_step`` minus
-``_prepare_inputs`` plus ``_clip_grad_norm`` (loss + backward), and the ``on_pre_optimizer_step`` /
-``on_optimizer_step`` callbacks (optimizer). ``other_s`` is the step time not in any stage. A step
-is timed from the end of the previous one (TRL: between ``on_step_end`` callbacks), so it includes
-fetching the prompts.
+``_prepare_inputs`` plus accelerate's ``clip_grad_norm_`` (loss + backward), and the
+``on_pre_optimizer_step`` / ``on_optimizer_step`` callbacks (optimizer). ``other_s`` is the step time
+not in any stage. A step is timed from the end of the previous one (TRL: between ``on_step_end``
+callbacks), so it includes fetching the prompts.
 
 Peak memory, overall and per phase (sampling, training, optimizer; ``_measure.PhaseMemory``): on
 CPU the peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` when training starts and at
@@ -107,26 +107,28 @@ PRESETS: dict[str, Preset] = {
     "cpu-logits": Preset("qwen2-logits", prompts_per_step=2, group_size=4, prompt_tokens=32,
                          completion_tokens=64, micro_batch_size=4, warmup_steps=1, measured_steps=3,
                          repetitions=2, threads=1),
-    # full fine-tuning in float32 master weights under bfloat16 autocast (TRL: bf16=True on a float32 model)
+    # The GPU presets measure 2 steps after 1 warm-up, each worker under a fixed limit (the limits of the
+    # presets benchmarks/gpu/run.sh runs add up to what its 8 minutes leave, tests/test_gpu_run.py);
+    # a worker prints its result after each measured step, so one cut at its limit keeps what it measured.
+    # Full fine-tuning in float32 master weights under bfloat16 autocast (TRL: bf16=True on a float32 model)
     "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="float32", compute_dtype="bfloat16",
                        prompts_per_step=8, group_size=8, prompt_tokens=128, completion_tokens=512,
-                       micro_batch_size=16, learning_rate=1e-6, warmup_steps=1, measured_steps=3,
-                       repetitions=1, worker_timeout_s=75, trl_timeout_s=110),
+                       micro_batch_size=16, learning_rate=1e-6, warmup_steps=1, measured_steps=2,
+                       repetitions=1, worker_timeout_s=50, trl_timeout_s=80, decoding="cuda_graph"),
+    # LoRA r16 on Qwen2.5-1.5B, 4 x 8 x 1024, under the plan `grpo-engine plan --model qwen2.5-1.5b
+    # --budget-gib 8` picks (gradient checkpointing), the same plan for TRL: the 8 GiB goal and the
+    # memory ratio are judged here
     "gpu-1.5b": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                        prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
-                       lora_alpha=32.0, learning_rate=1e-5, warmup_steps=1, measured_steps=3, repetitions=1,
-                       worker_timeout_s=90, trl_timeout_s=170),
-    # the issue-5 workload under the plan `grpo-engine plan --model qwen2.5-1.5b --budget-gib 8` picks
-    "gpu-1.5b-8gib": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
-                            prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
-                            lora_alpha=32.0, gradient_checkpointing=True, learning_rate=1e-5, warmup_steps=1,
-                            measured_steps=3, repetitions=1, worker_timeout_s=90),
+                       lora_alpha=32.0, gradient_checkpointing=True, learning_rate=1e-5, warmup_steps=1,
+                       measured_steps=2, repetitions=1, worker_timeout_s=60, trl_timeout_s=100,
+                       decoding="cuda_graph"),
     # a 7B shape under QLoRA (ours only: --engines ours)
     "gpu-7b-qlora": Preset("qwen2.5-7b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                            prompt_tokens=128, completion_tokens=1024, micro_batch_size=4, lora_r=16,
                            lora_alpha=32.0, gradient_checkpointing=True, quantization="nf4",
-                           learning_rate=1e-5, warmup_steps=1, measured_steps=3, repetitions=1,
-                           worker_timeout_s=130),
+                           learning_rate=1e-5, warmup_steps=1, measured_steps=2, repetitions=1,
+                           worker_timeout_s=80, decoding="cuda_graph"),
 }
 
 
@@ -142,8 +144,8 @@ def smoke(p: Preset) -> Preset:
                                prompt_tokens=8, completion_tokens=8, micro_batch_size=2, warmup_steps=1,
                                measured_steps=3, repetitions=1, threads=1, worker_timeout_s=60.0,
                                trl_timeout_s=60.0,
-                               # the GPU's path, eager
-                               decoding="static" if p.decoding == "auto" else p.decoding)
+                               # the GPU's fixed-shape path, eager (no CUDA graph on the CPU)
+                               decoding="static" if p.decoding in ("auto", "cuda_graph") else p.decoding)
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -159,9 +161,13 @@ class MemoryMeter:
 
     def start(self) -> None:
         if self.device == "cuda":
+            import gc
+
             import torch
 
             torch.cuda.synchronize()  # before the loop: the baseline is what is resident when training starts
+            gc.collect()  # what set-up dropped (quantize_4bit_'s bfloat16 originals) leaves the reserved peak
+            torch.cuda.empty_cache()
             self.baseline = torch.cuda.memory_allocated()
         else:
             self.setup_peak = _status_kib("VmHWM")
@@ -173,8 +179,9 @@ class MemoryMeter:
     def phase(self, name: str) -> None:
         self.phases.enter(name)
 
-    def finish(self) -> dict:
-        phases = self.phases.finish()
+    def finish(self, final: bool = True) -> dict:
+        """The figures so far; ``final=False`` (a partial result after a step) keeps measuring."""
+        phases = self.phases.finish() if final else self.phases.snapshot()
         peak = max(v["allocated_mib"] for v in phases.values()) if phases else 0.0
         reserved = [v["reserved_mib"] for v in phases.values() if v["reserved_mib"] is not None]
         setup = getattr(self, "setup_peak", None)
@@ -231,7 +238,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(p: Preset, workdir: str) -> dict:
+def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
     from grpo_engine import ClippedSurrogate, GRPOConfig, GRPOTrainer, LoRA, MemoryPlan, Prompt, Reward
     from grpo_engine.advantages import GroupNormalized
     from grpo_engine.data.templates import PlainTemplate
@@ -280,6 +287,36 @@ def run_ours(p: Preset, workdir: str) -> dict:
     trainer.optimizer.step = entering("optimizer", clock.wrap("optimizer_s", trainer.optimizer.step))
     trainer.sampler.sample = entering("sampling",
                                       clock.wrap("generation_s", trainer.sampler.sample, after=record))
+    def snapshot(final: bool) -> dict:  # the result so far: after each measured step, and at the end
+        settings = {
+            "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
+            "completions_per_optimizer_step": config.completions_per_step,
+            "generations_per_optimizer_step": 1, "micro_batch_size": memory.micro_batch_size,
+            "max_completion_tokens": config.max_completion_tokens,
+            "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
+            "gradient_checkpointing": harness.checkpointing(trainer.model),
+            "weights_dtype": harness.weights_dtype(trainer.model),
+            "compute_dtype": (memory.compute_dtype if memory.mixed_precision
+                              else harness.weights_dtype(trainer.model)),
+            "kl_coef": loss.kl_coef, "clip_eps": loss.clip_eps_low,
+            "aggregation": "sequence", "learning_rate": config.learning_rate,
+            "adam_betas": list(config.adam_betas),
+            "max_grad_norm": config.max_grad_norm, "temperature": config.temperature,
+            "optimizer": (f"{type(trainer.optimizer).__name__}"
+                          f"(fused={trainer.optimizer.defaults.get('fused')})"),
+        }
+        trainable = sum(x.numel() for x in trainer.model.parameters() if x.requires_grad)
+        from grpo_engine.sampling.hf import resolve_decoding
+
+        return {"rows": rows, "memory": meter.finish(final), "settings": settings,
+                "trainable_params": trainable,
+                "first_step_s": first_step_s, "predicted_peak_mib": predicted.peak_bytes / 2**20,
+                "predicted_phases_mib": {k: v / 2**20 for k, v in predicted.phases.items()},
+                "decoding": trainer.sampler.last_decoding.get("path") or resolve_decoding(
+                    memory.decoding, trainer.model, next(trainer.model.parameters()).device),
+                "decoding_fallback": trainer.sampler.last_decoding.get("capture_error"),
+                "prompt_sharing_in_training": memory.share_prompt and not memory.gradient_checkpointing}
+
     rows, first_step_s = [], None
     meter.start()
     for _ in range(p.warmup_steps + p.measured_steps):
@@ -296,34 +333,12 @@ def run_ours(p: Preset, workdir: str) -> dict:
         row = _step_row(step_s, stages, seen)  # ours: loss_backward_s is the rest of the step
         row.update(prefill_s=phases.get("prefill"), decode_s=phases.get("decode"))
         rows.append(row)
-    settings = {
-        "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
-        "completions_per_optimizer_step": config.completions_per_step, "generations_per_optimizer_step": 1,
-        "micro_batch_size": memory.micro_batch_size, "max_completion_tokens": config.max_completion_tokens,
-        "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-        "gradient_checkpointing": harness.checkpointing(trainer.model),
-        "weights_dtype": harness.weights_dtype(trainer.model),
-        "compute_dtype": (memory.compute_dtype if memory.mixed_precision
-                          else harness.weights_dtype(trainer.model)),
-        "kl_coef": loss.kl_coef, "clip_eps": loss.clip_eps_low,
-        "aggregation": "sequence", "learning_rate": config.learning_rate,
-        "adam_betas": list(config.adam_betas),
-        "max_grad_norm": config.max_grad_norm, "temperature": config.temperature,
-        "optimizer": f"{type(trainer.optimizer).__name__}(fused={trainer.optimizer.defaults.get('fused')})",
-    }
-    trainable = sum(x.numel() for x in trainer.model.parameters() if x.requires_grad)
-    from grpo_engine.sampling.hf import resolve_decoding
-
-    return {"rows": rows, "memory": meter.finish(), "settings": settings, "trainable_params": trainable,
-            "first_step_s": first_step_s, "predicted_peak_mib": predicted.peak_bytes / 2**20,
-            "predicted_phases_mib": {k: v / 2**20 for k, v in predicted.phases.items()},
-            "decoding": trainer.sampler.last_decoding.get("path") or resolve_decoding(
-                memory.decoding, trainer.model, next(trainer.model.parameters()).device),
-            "decoding_fallback": trainer.sampler.last_decoding.get("capture_error"),
-            "prompt_sharing_in_training": memory.share_prompt and not memory.gradient_checkpointing}
+        if len(rows) > p.warmup_steps:
+            progress(snapshot(final=False))
+    return snapshot(final=True)
 
 
-def run_trl(p: Preset, workdir: str) -> dict:
+def run_trl(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -387,7 +402,8 @@ def run_trl(p: Preset, workdir: str) -> dict:
         "logprobs_s", trainer._get_per_token_logps_and_entropies, when=lambda: not torch.is_grad_enabled())
     trainer.training_step = clock.wrap("training_step_s", trainer.training_step)
     trainer._prepare_inputs = clock.wrap("prepare_inputs_s", trainer._prepare_inputs)
-    trainer._clip_grad_norm = clock.wrap("clip_s", trainer._clip_grad_norm)
+    # clipping runs after training_step; accelerate's public method, whichever transformers calls it
+    trainer.accelerator.clip_grad_norm_ = clock.wrap("clip_s", trainer.accelerator.clip_grad_norm_)
     rows, state = [], {}
 
     class Clock(TrainerCallback):
@@ -412,40 +428,55 @@ def run_trl(p: Preset, workdir: str) -> dict:
             row = _step_row(now - state["last"], s, seen)
             row.update(prefill_s=None, decode_s=None)
             rows.append(row)
-            state["last"] = now
+            if len(rows) > p.warmup_steps:
+                progress(snapshot(final=False))
+            state["last"] = time.perf_counter()  # the partial result's cost is not the next step's
+
+    def snapshot(final: bool) -> dict:  # the result so far: after each measured step, and at the end
+        a = trainer.args
+        settings = {
+            "prompts_per_step": a.generation_batch_size // a.num_generations, "group_size": a.num_generations,
+            "completions_per_optimizer_step": a.per_device_train_batch_size * a.gradient_accumulation_steps,
+            "generations_per_optimizer_step": a.gradient_accumulation_steps // a.steps_per_generation,
+            "micro_batch_size": a.per_device_train_batch_size,
+            "max_completion_tokens": a.max_completion_length,
+            "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
+            "gradient_checkpointing": harness.checkpointing(trainer.model),
+            "weights_dtype": harness.weights_dtype(trainer.model),
+            "compute_dtype": ("bfloat16" if a.bf16 else "float16" if a.fp16
+                              else harness.weights_dtype(trainer.model)),
+            "kl_coef": a.beta, "clip_eps": a.epsilon,
+            "aggregation": {"grpo": "sequence", "dapo": "token",
+                            "dr_grpo": "constant"}.get(a.loss_type, a.loss_type),
+            "learning_rate": a.learning_rate, "adam_betas": [a.adam_beta1, a.adam_beta2],
+            "max_grad_norm": a.max_grad_norm, "temperature": a.temperature,
+            "optimizer": f"{type(trainer.optimizer.optimizer).__name__}"
+                         f"(fused={trainer.optimizer.optimizer.defaults.get('fused')})",
+        }
+        trainable = sum(x.numel() for x in trainer.model.parameters() if x.requires_grad)
+        return {"rows": rows, "memory": meter.finish(final), "settings": settings,
+                "trainable_params": trainable,
+                "first_step_s": state.get("first_step_s"), "decoding": "transformers generate",
+                "prompt_sharing_in_training": False}
 
     trainer.add_callback(Clock())
     trainer.train()
-    memory = meter.finish()
-    a = trainer.args
-    settings = {
-        "prompts_per_step": a.generation_batch_size // a.num_generations, "group_size": a.num_generations,
-        "completions_per_optimizer_step": a.per_device_train_batch_size * a.gradient_accumulation_steps,
-        "generations_per_optimizer_step": a.gradient_accumulation_steps // a.steps_per_generation,
-        "micro_batch_size": a.per_device_train_batch_size, "max_completion_tokens": a.max_completion_length,
-        "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-        "gradient_checkpointing": harness.checkpointing(trainer.model),
-        "weights_dtype": harness.weights_dtype(trainer.model),
-        "compute_dtype": ("bfloat16" if a.bf16 else "float16" if a.fp16
-                          else harness.weights_dtype(trainer.model)),
-        "kl_coef": a.beta, "clip_eps": a.epsilon,
-        "aggregation": {"grpo": "sequence", "dapo": "token",
-                        "dr_grpo": "constant"}.get(a.loss_type, a.loss_type),
-        "learning_rate": a.learning_rate, "adam_betas": [a.adam_beta1, a.adam_beta2],
-        "max_grad_norm": a.max_grad_norm, "temperature": a.temperature,
-        "optimizer": f"{type(trainer.optimizer.optimizer).__name__}"
-                     f"(fused={trainer.optimizer.optimizer.defaults.get('fused')})",
-    }
-    trainable = sum(x.numel() for x in trainer.model.parameters() if x.requires_grad)
-    return {"rows": rows, "memory": memory, "settings": settings, "trainable_params": trainable,
-            "first_step_s": state.get("first_step_s"), "decoding": "transformers generate",
-            "prompt_sharing_in_training": False}
+    return snapshot(final=True)
 
 
 def worker(engine: str, p: Preset) -> dict:
-    """Runs one engine in this process; returns its measured steps, summary and settings."""
+    """Runs one engine in this process; returns its measured steps, summary and settings. After each
+    measured step it prints the result so far (``harness.emit_partial``): a worker killed at its time
+    limit keeps the steps it measured."""
+    def progress(raw: dict) -> None:
+        harness.emit_partial(_summarize(engine, p, raw))
+
     with tempfile.TemporaryDirectory(prefix=f"perf-{engine}-") as workdir:
-        raw = (run_ours if engine == "ours" else run_trl)(p, workdir)
+        raw = (run_ours if engine == "ours" else run_trl)(p, workdir, progress)
+    return _summarize(engine, p, raw)
+
+
+def _summarize(engine: str, p: Preset, raw: dict) -> dict:
     measured = raw["rows"][p.warmup_steps:]
     if not measured:
         raise SystemExit(f"{engine}: no measured step (ran {len(raw['rows'])}, warm-up {p.warmup_steps})")
@@ -453,6 +484,7 @@ def worker(engine: str, p: Preset) -> dict:
            for k in ("step_s", *STAGES, "prefill_s", "decode_s")}
     generated = harness.median(r["generated_tokens"] for r in measured)
     return {
+        "measured_steps": len(measured),
         "engine": engine, "step_s": med["step_s"], "step_s_min": min(r["step_s"] for r in measured),
         "stages": {k: med[k] for k in STAGES}, "prefill_s": med["prefill_s"], "decode_s": med["decode_s"],
         "first_step_s": raw["first_step_s"], "decoding": raw["decoding"],
@@ -543,7 +575,9 @@ def _aggregate(p: Preset, runs: list[dict], fl: dict) -> dict:
                                  max(r["completion_tokens_max"] for r in runs)],
            "prompt_tokens": [min(r["prompt_tokens_min"] for r in runs),
                              max(r["prompt_tokens_max"] for r in runs)],
-           "step_s_runs": [r["step_s"] for r in runs], "peak_mib_runs": [r["peak_mib"] for r in runs]}
+           "step_s_runs": [r["step_s"] for r in runs], "peak_mib_runs": [r["peak_mib"] for r in runs],
+           "measured_steps": sum(r["measured_steps"] for r in runs),
+           "partial": any(r.get("partial") for r in runs)}  # a worker stopped before its last step
     if "predicted_peak_mib" in runs[0]:  # ours: the estimator's prediction (grpo_engine.memory.estimate)
         out["predicted_peak_mib"] = runs[0]["predicted_peak_mib"]
         out["predicted_phases_mib"] = runs[0]["predicted_phases_mib"]
@@ -588,6 +622,9 @@ def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str]
         "spec": dataclasses.asdict(p), "floor": fl, "ours": ours, "trl": trl,
         "ratio_step_time": ours["step_s"] / trl["step_s"] if both else None,
         "ratio_peak_memory": ours["peak_mib"] / trl["peak_mib"] if both else None,
+        # TRL's plain generate() is its slowest path: the training part compared on its own
+        "ratio_loss_backward": (ours["stages"]["loss_backward_s"] / trl["stages"]["loss_backward_s"]
+                                if both and trl["stages"]["loss_backward_s"] else None),
         "ratio_peak_above_baseline": (ours["peak_above_baseline_mib"] / trl["peak_above_baseline_mib"]
                                       if both and trl["peak_above_baseline_mib"] > 0 else None),
         "ratio_generation_tokens_per_s": (ours["tokens_per_s"] / trl["tokens_per_s"]
@@ -624,7 +661,7 @@ def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, bu
         if error:
             errors.append(error)
             harness.say("perf", error)
-        else:
+        if result is not None:  # with an error: the steps measured before it ("partial": true)
             runs[engine].append(result)
         if out is not None:
             harness.write_report(out, _report(name, p, runs, errors))
@@ -650,6 +687,7 @@ def _summary(r: dict) -> str:
                      f"{e['tokens_per_s']:11.1f}{e['peak_mib']:10.0f}{e['peak_above_baseline_mib']:11.0f}")
     if r.get("ratio_step_time") is not None:
         lines.append(f"ours/trl: step time {r['ratio_step_time']:.2f}, "
+                     f"loss + backward {r['ratio_loss_backward'] or float('nan'):.2f}, "
                      f"peak memory {r['ratio_peak_memory']:.2f}")
     lines += [f"PROBLEM: {x}" for x in r.get("problems", [])] + [f"ERROR: {x}" for x in r.get("errors", [])]
     return "\n".join(lines)

@@ -12,6 +12,12 @@ gradient (a loss that needs the entropy's gradient uses the untiled path).
 Only a plain ``nn.Linear`` head is tiled (tied embeddings included: the gradient lands in the
 shared weight); a LoRA-wrapped or soft-capped head goes through ``logprobs.selective_logprobs``'s
 checkpointed chunks instead.
+
+Precision: every matmul runs in one compute dtype, fixed when the forward pass runs: autocast's dtype
+when autocast is on for the device (mixed precision), else the head's weight dtype. The backward pass
+recomputes each tile's logits in that same dtype, so its softmax agrees with the forward pass's
+normaliser, and its matmuls also run in it (on a GPU, bfloat16 matmuls accumulate in float32); the
+softmax, the normaliser and the gradients summed over tiles stay float32.
 """
 
 from __future__ import annotations
@@ -22,11 +28,19 @@ from torch import Tensor
 __all__ = ["tiled_linear_logprobs"]
 
 
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """Autocast's dtype when autocast is on for the device, else the weight's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
 def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int,
-                 temperature: float) -> Tensor:
-    logits = hidden @ weight[start:stop].T
+                 temperature: float, dtype: torch.dtype) -> Tensor:
+    logits = hidden.to(dtype) @ weight[start:stop].to(dtype).T
     if bias is not None:
-        logits = logits + bias[start:stop]
+        logits = logits + bias[start:stop].to(dtype)
     return logits.float() / temperature  # [k, tile]
 
 
@@ -34,25 +48,27 @@ class _TiledLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
                 tile: int) -> tuple[Tensor, Tensor]:
+        dtype = _compute_dtype(hidden, weight)
         k = hidden.shape[0]
         running_max = torch.full((k,), float("-inf"), device=hidden.device)
         total = torch.zeros(k, device=hidden.device)  # sum exp(z - max)
         weighted = torch.zeros(k, device=hidden.device)  # sum exp(z - max) * z
         target_logit = torch.zeros(k, device=hidden.device)
-        for start in range(0, weight.shape[0], tile):
-            stop = min(start + tile, weight.shape[0])
-            z = _tile_logits(hidden, weight, bias, start, stop, temperature)
-            new_max = torch.maximum(running_max, z.max(dim=-1).values)
-            scale = torch.exp(running_max - new_max)
-            e = torch.exp(z - new_max[:, None])
-            total = total * scale + e.sum(-1)
-            weighted = weighted * scale + (e * z).sum(-1)
-            running_max = new_max
-            inside = (targets >= start) & (targets < stop)
-            target_logit[inside] = z[inside, targets[inside] - start]
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtype is explicit
+            for start in range(0, weight.shape[0], tile):
+                stop = min(start + tile, weight.shape[0])
+                z = _tile_logits(hidden, weight, bias, start, stop, temperature, dtype)
+                new_max = torch.maximum(running_max, z.max(dim=-1).values)
+                scale = torch.exp(running_max - new_max)
+                e = torch.exp(z - new_max[:, None])
+                total = total * scale + e.sum(-1)
+                weighted = weighted * scale + (e * z).sum(-1)
+                running_max = new_max
+                inside = (targets >= start) & (targets < stop)
+                target_logit[inside] = z[inside, targets[inside] - start]
         log_norm = running_max + torch.log(total)
         ctx.save_for_backward(hidden, weight, bias, targets, log_norm)
-        ctx.temperature, ctx.tile = temperature, tile
+        ctx.temperature, ctx.tile, ctx.dtype = temperature, tile, dtype
         entropy = log_norm - weighted / total
         ctx.mark_non_differentiable(entropy)
         return target_logit - log_norm, entropy
@@ -60,24 +76,27 @@ class _TiledLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor | None):
         hidden, weight, bias, targets, log_norm = ctx.saved_tensors
+        dtype = ctx.dtype
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if bias is not None and ctx.needs_input_grad[2] else None
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        for start in range(0, weight.shape[0], ctx.tile):
-            stop = min(start + ctx.tile, weight.shape[0])
-            z = _tile_logits(hidden, weight, bias, start, stop, ctx.temperature)
-            g = -torch.exp(z - log_norm[:, None]) * grad_logprobs[:, None]  # -softmax * upstream
-            inside = (targets >= start) & (targets < stop)
-            g[rows[inside], targets[inside] - start] += grad_logprobs[inside]
-            g = g / ctx.temperature  # [k, tile], d loss / d (h W^T + b)
-            grad_hidden += g @ weight[start:stop].float()
-            if grad_weight is not None:
-                grad_weight[start:stop] += g.T @ hidden.float()
-            if grad_bias is not None:
-                grad_bias[start:stop] += g.sum(0)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, weight.shape[0], ctx.tile):
+                stop = min(start + ctx.tile, weight.shape[0])
+                z = _tile_logits(hidden, weight, bias, start, stop, ctx.temperature, dtype)
+                g = -torch.exp(z - log_norm[:, None]) * grad_logprobs[:, None]  # -softmax * upstream
+                inside = (targets >= start) & (targets < stop)
+                g[rows[inside], targets[inside] - start] += grad_logprobs[inside]
+                g = g / ctx.temperature  # [k, tile], d loss / d (h W^T + b), float32
+                if grad_bias is not None:
+                    grad_bias[start:stop] += g.sum(0)
+                g = g.to(dtype)
+                grad_hidden += g @ weight[start:stop].to(dtype)
+                if grad_weight is not None:
+                    grad_weight[start:stop] += g.T @ hidden.to(dtype)
         return (grad_hidden.to(hidden.dtype),
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None)

@@ -8,6 +8,7 @@ identical settings and full-length completions; without it only our half runs.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -156,6 +157,34 @@ def test_run_worker_stops_a_worker_at_its_time_limit(tmp_path):
                                                        "time.sleep(60)"], timeout=2, log=log)
     assert result is None and error == f"ours: worker timed out after 2 s (log: {log})"
     assert log.read_text().endswith("--- ours: stdout\nstarted\n--- ours: killed: timed out\n")
+
+
+def test_run_worker_keeps_the_partial_result_of_a_worker_killed_or_failing(tmp_path):
+    steps = "; ".join(f"print('BENCHMARK_PARTIAL {{\"steps\": {k}}}', flush=True)" for k in (1, 2))
+    result, error = _harness.run_worker("ours", ["-c", f"import time; {steps}; time.sleep(60)"], timeout=3)
+    assert result == {"steps": 2, "partial": True} and error == "ours: worker timed out after 3 s"
+    result, error = _harness.run_worker("trl", ["-c", f"{steps}; raise SystemExit(3)"], timeout=60)
+    assert result == {"steps": 2, "partial": True} and error.startswith("trl: worker failed (exit 3")
+    # a finished worker's result wins over its partial lines
+    done = f"{steps}; print('BENCHMARK_RESULT {{\"steps\": 3}}')"
+    assert _harness.run_worker("ours", ["-c", done], timeout=60) == ({"steps": 3}, None)
+
+
+@pytest.mark.parametrize("engine", ["ours", "trl"])
+def test_a_perf_worker_cut_at_its_limit_keeps_the_steps_it_measured(engine):
+    # the micro preset asked for 10,000 steps, cut after 25 s: the report holds the steps measured so far
+    if engine == "trl":
+        pytest.importorskip("trl")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import perf
+
+    spec = dataclasses.replace(perf.PRESETS["micro"], measured_steps=10_000)
+    args = [str(PERF), "--worker", engine, "--spec", json.dumps(dataclasses.asdict(spec))]
+    result, error = _harness.run_worker(engine, args, timeout=25 if engine == "ours" else 40)
+    assert error is not None and "timed out" in error
+    assert result["partial"] is True and result["measured_steps"] >= 1
+    assert len(result["steps"]) == result["measured_steps"] + spec.warmup_steps
+    assert result["step_s"] > 0 and result["peak_mib"] > 0 and result["settings"]["group_size"] == 2
 
 
 def test_worker_env_is_offline_and_finds_the_repository():

@@ -85,9 +85,27 @@ def test_gsm8k_lora(tiny_folder, tmp_path):
     data.write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
     out = tmp_path / "run"
     run_example("gsm8k_lora", ["--model", str(tiny_folder[0]), "--data", str(data), "--output-dir", str(out),
-                               "--prompts-per-step", "2", *TINY])
+                               "--prompts-per-step", "2", "--eval-every", "1", "--eval-data", str(data),
+                               "--eval-size", "2", *TINY])
     record = check_run_folder(out)
-    assert "reward/boxed_format/mean" in record
+    assert "reward/boxed_format/mean" in record and "eval/pass@1" in record
+
+
+def test_gsm8k_lora_takes_the_plan_that_fits_a_budget(tiny_folder, tmp_path, capsys, monkeypatch):
+    from grpo_engine import GRPOTrainer, LoRA, MemoryPlan
+    from grpo_engine.memory import Workload, auto_plan
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
+    plans = []
+    monkeypatch.setattr(GRPOTrainer, "train", lambda self: plans.append(self.memory) or [])
+    run_example("gsm8k_lora", ["--model", str(tiny_folder[0]), "--data", str(data), "--budget-gib", "0.05",
+                               "--output-dir", str(tmp_path / "run"), *TINY])
+    # 4 prompts (the default) x 2 completions, 512 + 8 tokens; the base `grpo-engine plan` starts from
+    workload = Workload(prompts_per_step=4, group_size=2, prompt_tokens=512, completion_tokens=8)
+    base = MemoryPlan(lora=LoRA(r=16), dtype="bfloat16", micro_batch_size=8)
+    assert plans == [auto_plan(str(tiny_folder[0]), workload, 0.05, base=base, verbose=False)]
+    assert plans[0].dtype == "bfloat16" and "[auto_plan] " in capsys.readouterr().out
 
 
 @pytest.mark.filterwarnings("ignore:step \\d+. every group has identical rewards")

@@ -1,5 +1,7 @@
 """The vocabulary-tiled lm_head pass equals the naive full-softmax computation, in value and gradient."""
 
+import copy
+
 import pytest
 import torch
 
@@ -67,3 +69,50 @@ def test_entropy_with_gradient_uses_the_checkpointed_chunks():
     assert not ent.requires_grad
     with pytest.raises(ValueError, match="vocab_tile=0 must be >= 1"):
         tiled_linear_logprobs(torch.zeros(1, 2), torch.nn.Linear(2, 3), torch.tensor([0]), vocab_tile=0)
+
+
+def _bf16_case(seed: int = 0):
+    """Logits of magnitude ~10 (where bfloat16's spacing is 1/16) over 300 entries in tiles of 64."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(32, 300, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(300, 32, generator=g) * 0.6)
+        head.bias.copy_(torch.randn(300, generator=g))
+    hidden = torch.randn(9, 32, generator=g)
+    targets = torch.randint(0, 300, (9,), generator=g)
+    return head, hidden, targets, torch.randn(9, generator=g)
+
+
+def _grads(head, hidden, targets, upstream, *, autocast: bool, weights_dtype=torch.float32):
+    head = copy.deepcopy(head).to(weights_dtype)
+    hidden = hidden.detach().to(weights_dtype).clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        lp, _ = tiled_linear_logprobs(hidden, head, targets, temperature=0.8, vocab_tile=64)
+    (lp.float() * upstream).sum().backward()
+    return lp.float(), [hidden.grad.float(), head.weight.grad.float(), head.bias.grad.float()]
+
+
+@pytest.mark.parametrize("autocast,weights_dtype", [(True, torch.float32), (False, torch.bfloat16)])
+def test_bfloat16_output_layer_gradients_match_fp64_within_bfloat16_tolerance(autocast, weights_dtype):
+    # Mixed precision (float32 weights under bfloat16 autocast) and plain bfloat16 weights: the matmuls run in
+    # bfloat16, the softmax and the sums over tiles in float32; the fp64 reference uses the same weights.
+    head, hidden, targets, upstream = _bf16_case()
+    lp, got = _grads(head, hidden, targets, upstream, autocast=autocast, weights_dtype=weights_dtype)
+    ref = copy.deepcopy(head).to(weights_dtype).double()  # the same (rounded) weights, in fp64
+    h64 = hidden.detach().to(weights_dtype).double().requires_grad_(True)
+    want_lp, _ = naive(h64, ref.weight, ref.bias, targets, 0.8)
+    (want_lp * upstream.double()).sum().backward()
+    want = [h64.grad, ref.weight.grad, ref.bias.grad]
+    assert (lp.double() - want_lp).abs().max() < 0.1  # logits of ~10 rounded to 1/16 (x 1/0.8)
+    for a, b in zip(got, want):
+        scale = b.abs().max()
+        assert (a.double() - b).abs().max() <= 0.03 * scale, (a.double() - b).abs().max() / scale
+
+
+def test_under_autocast_the_backward_softmax_agrees_with_the_forward_normaliser():
+    # d log p(y) / d z = onehot(y) - softmax(z) sums to 0 over the vocabulary for each row only when the
+    # backward pass recomputes the logits the forward pass normalised: the bias gradient sums to 0. Logits
+    # recomputed in float32 against a bfloat16 forward's normaliser leave a sum of order 1e-2 per row.
+    head, hidden, targets, _ = _bf16_case(1)
+    _, (_, _, grad_bias) = _grads(head, hidden, targets, torch.ones(9), autocast=True)
+    assert abs(float(grad_bias.sum())) < 1e-4 * 9

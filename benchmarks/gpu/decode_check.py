@@ -5,11 +5,14 @@
 1. Agreement, in float32 on a Qwen2.5-0.5B-shaped random model (the smoke shape on the CPU): greedy
    completions of ragged prompts, with an EOS that rows reach at different steps, from the dynamic
    loop, the static path and (on a GPU) the CUDA-graph replay: the same tokens, and log-probs that
-   differ by float rounding only.
-2. Speed, in bfloat16 on the Qwen2.5-1.5B shape (the smoke shape on the CPU): 32 rows (4 prompts x 8)
-   decoding a fixed number of tokens on each path; tokens/s per path, and the path ``auto`` picks.
+   differ by float rounding only. A CUDA graph that could not be captured fails the check (the
+   static path falls back to eager decoding, which would otherwise pass as "the same tokens").
+2. Speed, on the gpu-1.5b preset's model: the Qwen2.5-1.5B shape in bfloat16 with its LoRA (r 16 on
+   every linear layer; the smoke shape on the CPU): 32 rows (4 prompts x 8) decoding a fixed number
+   of tokens on each path; tokens/s per path, and the path ``auto`` picks.
 
-Writes one JSON object (``--out``) and prints a line per part.
+Writes one JSON object (``--out``) after each part, prints a line per part, and exits 1 when the
+paths disagree or the capture failed.
 """
 
 from __future__ import annotations
@@ -32,10 +35,19 @@ from grpo_engine.sampling.hf import resolve_decoding  # noqa: E402
 from grpo_engine.sampling.static import decode_static  # noqa: E402
 
 
-def _run(path: str, model, ids, mask, **kw):
+def _run(path: str, model, ids, mask, info: dict | None = None, **kw):
+    """One decoding path; ``info`` gets the static path's ``path`` and ``capture_error``."""
     if path == "dynamic":
         return decode(model, ids, mask, **kw)
-    return decode_static(model, ids, mask, mode="eager" if path == "static" else path, **kw)
+    return decode_static(model, ids, mask, mode="eager" if path == "static" else path, info=info, **kw)
+
+
+def _with_lora(model, r: int = 16):
+    """The model with a LoRA adapter on every linear layer (the gpu-1.5b preset's), in eval mode."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear")
+    return get_peft_model(model, config).eval()
 
 
 def _prompts(shape: str, device: str, count: int, width: int):
@@ -59,34 +71,42 @@ def agreement(shape: str, device: str, paths: list[str]) -> dict:
     free, _ = decode(model, ids, mask, repeats=1, max_new_tokens=12, eos_ids=[-1], pad_id=0,
                      draw=TokenDraw(greedy=True, logprobs=False))
     eos = int(free[0, 5])  # row 0 ends at its sixth token; others end elsewhere or run on
-    out = {}
+    out, infos = {}, {}
     for path in paths:
-        out[path] = _run(path, model, ids, mask, repeats=2, max_new_tokens=24, eos_ids=[eos], pad_id=0,
-                         draw=TokenDraw(greedy=True, logprobs=True))
+        infos[path] = {}
+        out[path] = _run(path, model, ids, mask, infos[path], repeats=2, max_new_tokens=24, eos_ids=[eos],
+                         pad_id=0, draw=TokenDraw(greedy=True, logprobs=True))
     base_ids, base_lp = out["dynamic"]
     return {"paths": paths, "eos_rows": int((base_ids == eos).any(1).sum()), "rows": int(base_ids.shape[0]),
             "same_tokens": {p: bool(torch.equal(base_ids, out[p][0])) for p in paths},
-            "max_logprob_diff": {p: float((base_lp - out[p][1]).abs().max()) for p in paths}}
+            "max_logprob_diff": {p: float((base_lp - out[p][1]).abs().max()) for p in paths},
+            "capture_error": infos.get("cuda_graph", {}).get("capture_error")}
 
 
 @torch.no_grad()
 def speed(shape: str, device: str, paths: list[str], new_tokens: int) -> dict:
-    model = build_model(shape, dtype="bfloat16" if device == "cuda" else "float32", device=device)
+    model = _with_lora(build_model(shape, dtype="bfloat16" if device == "cuda" else "float32", device=device))
     ids, mask = _prompts(shape, device, 4, 128 if device == "cuda" else 16)
     kw = dict(repeats=8, max_new_tokens=new_tokens, eos_ids=[-1], pad_id=0, draw=TokenDraw(temperature=1.0))
     out = {}
     for path in paths:
+        info: dict = {}
         _run(path, model, ids, mask, **kw)  # warm-up (kernels, allocator)
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        _run(path, model, ids, mask, **kw)
+        _run(path, model, ids, mask, info, **kw)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        out[path] = {"seconds": seconds, "tokens_per_s": 32 * new_tokens / seconds}
-    return {"rows": 32, "new_tokens": new_tokens, "paths": out,
+        out[path] = {"seconds": seconds, "tokens_per_s": 32 * new_tokens / seconds,
+                     "ran": info.get("path", path), "capture_error": info.get("capture_error")}
+    return {"rows": 32, "new_tokens": new_tokens, "lora_r": 16, "paths": out,
             "auto": resolve_decoding("auto", model, torch.device(device))}
+
+
+def _paths(device: str) -> list[str]:
+    return ["dynamic", "static"] + (["cuda_graph"] if device == "cuda" else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,13 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu else "cuda"
-    paths = ["dynamic", "static"] + ([] if args.cpu else ["cuda_graph"])
+    paths = _paths(device)
     result: dict = {"device": device}
     result["agreement"] = agreement("smoke" if args.cpu else "qwen2.5-0.5b", device, paths)
     a = result["agreement"]
     print(f"decode check: same tokens {a['same_tokens']}, max log-prob difference "
           f"{max(a['max_logprob_diff'].values()):.2e} ({a['eos_rows']} of {a['rows']} rows end at the EOS)",
           flush=True)
+    if a["capture_error"]:
+        print(f"decode check FAILED: the CUDA graph could not be captured ({a['capture_error']}); "
+              "'cuda_graph' decoded eagerly", flush=True)
+    result["ok"] = all(a["same_tokens"].values()) and not a["capture_error"]
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
     result["speed"] = speed("smoke" if args.cpu else "qwen2.5-1.5b", device, paths, 16 if args.cpu else 128)
@@ -109,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     print("decode speed, 32 rows: "
           + ", ".join(f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in s["paths"].items())
           + f"; auto picks {s['auto']}", flush=True)
-    result["ok"] = all(a["same_tokens"].values())
+    result["ok"] = result["ok"] and not any(v["capture_error"] for v in s["paths"].values())
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
     return 0 if result["ok"] else 1

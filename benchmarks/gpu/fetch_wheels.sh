@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Downloads the pinned wheels the GPU run needs and the GPU machine lacks, for its Python 3.12 on
-# x86-64, into .whl/ (ignored by git; the device tool carries it: carry [".whl"]).
+# x86-64, into .whl/ (ignored by git; copy it to the GPU machine beside the checkout).
 #
 #   bash benchmarks/gpu/fetch_wheels.sh      # from the repository root, on a machine that reaches PyPI
+#   WHEEL_PYTHON=3.11 DEST=/tmp/w bash benchmarks/gpu/fetch_wheels.sh  # the same pins for another Python
+#                                                                         # (the rehearsal, rehearse.sh)
 #
 # The device image has torch 2.11 (CUDA 13.0), transformers 5.17, peft, accelerate, pyarrow, pandas,
 # xxhash, huggingface_hub 1.33, requests, sympy, typing-extensions and tensorboard; it lacks pydantic,
@@ -11,20 +13,21 @@
 # CUDA 13 and CPU libraries when the set would pass 60 MiB; the script fails if it still does.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-DEST=.whl
+DEST=${DEST:-.whl}
 LIMIT_MIB=60
 PY=${PYTHON:-python3}
+WHEEL_PYTHON=${WHEEL_PYTHON:-3.12}  # the device's Python
 WHEELS=(
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0
   math-verify==0.9.0 latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2
-  datasets==5.0.0 dill==0.4.1 multiprocess==0.70.19
+  datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
   trl==1.16.0
   bitsandbytes==0.50.2
 )
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl
-$PY -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+$PY -m pip download --quiet --no-deps --only-binary=:all: --python-version "$WHEEL_PYTHON" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d "$DEST" "${WHEELS[@]}"
