@@ -67,8 +67,8 @@ without gradient checkpointing (a 135M model with LoRA is not short of memory).
   group in sampling and in the training pass).
 - TRL: ``GRPOConfig()`` defaults except what the task fixes (``num_generations=G``, B*G
   completions per generation and per optimizer step, ``max_completion_length`` = the demo's 16,
-  the same LoRA ``peft_config``), lr 1e-4 (the issue's measured TRL recipe; TRL's default 1e-6 is
-  meant for full fine-tuning) and, on the CPU, ``bf16=False``, ``fp16=False`` and
+  the same LoRA ``peft_config``), lr 1e-4 (the rate at which TRL learned this task in our earlier
+  runs; TRL's default 1e-6 is meant for full fine-tuning) and, on the CPU, ``bf16=False``, ``fp16=False`` and
   ``gradient_checkpointing=False``: TRL's defaults switch bf16 autocast and gradient checkpointing
   on, choices for a GPU (with ``--device cuda`` they stay on). So: temperature 1.0,
   ``loss_type="dapo"``, linear lr decay over ``max_steps`` (set to 10**6, so the decay within a run
@@ -107,7 +107,7 @@ MODES = {"identical": "identical settings",
          "defaults": "each engine's recommended settings for this hardware"}
 IDENTICAL = {"learning_rate": 1e-4, "temperature": 1.0, "aggregation": "token", "lora_r": 16,
              "lora_alpha": 32.0, "advantage_eps": 1e-4, "adam_betas": (0.9, 0.99)}
-TRL_DEFAULTS_LR = 1e-4  # the measured TRL recipe (TRL's own default, 1e-6, is for full fine-tuning)
+TRL_DEFAULTS_LR = 1e-4  # TRL's LoRA rate on this task in our runs (its default, 1e-6, is for full FT)
 # what a TRL user picks on a CPU: TRL's defaults turn on bf16 autocast and gradient checkpointing, both
 # choices for a GPU (and a 135M model with LoRA is not short of memory)
 TRL_ON_CPU = {"bf16": False, "fp16": False, "gradient_checkpointing": False}

@@ -1,4 +1,4 @@
-"""One table from a GPU run's JSON files, and each goal of the GPU issue against what was measured.
+"""One table from a GPU run's JSON files, and each of the project's GPU goals against what was measured.
 
     python benchmarks/gpu/summary.py OUT_DIR      # prints the table (run.sh also writes summary.txt)
 
