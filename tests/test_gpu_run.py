@@ -81,6 +81,9 @@ def test_mixed_precision_and_quantization_travel_into_the_smoke_run(smoke):
     half = json.loads((smoke[0] / "gpu-0.5b.json").read_text())
     assert half["ours"]["settings"]["weights_dtype"] == "float32"
     assert half["ours"]["settings"]["compute_dtype"] == "bfloat16"
+    eight = json.loads((smoke[0] / "gpu-1.5b.json").read_text())  # the 8 GiB plan, for both engines
+    assert eight["ours"]["settings"]["gradient_checkpointing"] is True
+    assert eight["trl"]["settings"]["gradient_checkpointing"] is True
     qlora = json.loads((smoke[0] / "gpu-7b-qlora.json").read_text())
     assert (qlora["spec"]["quantization"] == "nf4"
             and qlora["ours"]["settings"]["gradient_checkpointing"] is True)
