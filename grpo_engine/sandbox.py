@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import resource
 import select
 import shutil
 import signal
@@ -121,12 +120,13 @@ class _ProcessCap:
         if self.group is None:
             self.nproc = _user_tasks(os.getuid()) + limit
 
-    def enter(self) -> None:
-        """In the child, before exec."""
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """``cmd`` started inside the cap: a shell that moves itself into the cgroup, then becomes the
+        command (nothing runs outside it, and no Python runs between fork and exec), or ``prlimit``'s
+        ``--nproc``."""
         if self.group is not None:
-            (self.group / "cgroup.procs").write_text(str(os.getpid()))
-        else:
-            resource.setrlimit(resource.RLIMIT_NPROC, (self.nproc, self.nproc))
+            return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.group / "cgroup.procs"), *cmd]
+        return ["prlimit", f"--nproc={self.nproc}", "--", *cmd]
 
     def hit(self, stderr: str) -> bool:
         """Whether a fork or a thread was refused for the cap (the cgroup's count, else the error)."""
@@ -154,6 +154,8 @@ def sandbox_available() -> str | None:
     """None when :func:`run_python` can run here, else why not."""
     if shutil.which("bwrap") is None:
         return "bubblewrap is not installed (apt install bubblewrap, or dnf install bubblewrap)"
+    if shutil.which("prlimit") is None:
+        return "prlimit (util-linux) is not installed"
     if os.geteuid() == 0 and not (_PIDS_V1.is_dir() and os.access(_PIDS_V1, os.W_OK)):
         return "running as root without a writable pids cgroup: the number of processes cannot be capped"
     return None
@@ -196,26 +198,22 @@ def run_python(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512, cpu_
                "--proc", "/proc", "--dev", "/dev", "--bind", str(scratch), "/scratch", "--remount-ro", "/",
                "--chdir", "/scratch", "--", str(_python()), "-I", "main.py"]
 
-        def limits() -> None:  # in the child, before exec: inherited by bwrap and the program
-            os.setpgrp()
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
-            for kind, value in ((resource.RLIMIT_AS, memory_mb << 20),
-                                (resource.RLIMIT_FSIZE, max_file_mb << 20), (resource.RLIMIT_NOFILE, 64),
-                                (resource.RLIMIT_CORE, 0)):
-                resource.setrlimit(kind, (value, value))
-            cap.enter()
-
-        return _supervise(cmd, limits, stdin, timeout_s, max_output_bytes, cap)
+        # limits inherited by bwrap and the program; CPU: SIGXCPU, then SIGKILL a second later
+        limits = ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={memory_mb << 20}",
+                  f"--fsize={max_file_mb << 20}", "--nofile=64", "--core=0", "--"]
+        return _supervise(cap.wrap(limits + cmd), stdin, timeout_s, max_output_bytes, cap)
     finally:
         cap.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _supervise(cmd: list[str], limits, stdin: str, timeout_s: float, max_output: int,
+def _supervise(cmd: list[str], stdin: str, timeout_s: float, max_output: int,
                cap: _ProcessCap) -> SandboxResult:
     start = time.monotonic()
+    # its own session (a process group to kill), none of the trainer's environment; no preexec_fn, which
+    # is unsafe in a process with threads
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=limits, env={"PATH": "/usr/bin:/bin"})  # none of the trainer's
+                            start_new_session=True, env={"PATH": "/usr/bin:/bin"})
     with contextlib.suppress(BrokenPipeError):
         proc.stdin.write(stdin.encode())
     proc.stdin.close()
