@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import select
 import shutil
@@ -158,6 +159,20 @@ def sandbox_available() -> str | None:
         return "prlimit (util-linux) is not installed"
     if os.geteuid() == 0 and not (_PIDS_V1.is_dir() and os.access(_PIDS_V1, os.W_OK)):
         return "running as root without a writable pids cgroup: the number of processes cannot be capped"
+    return _namespaces()
+
+
+@functools.lru_cache(maxsize=1)
+def _namespaces() -> str | None:
+    """Whether bwrap can create its namespaces here (a kernel or container may forbid user namespaces)."""
+    try:
+        probe = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True,
+                               text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"bubblewrap could not start ({error})"
+    if probe.returncode != 0:
+        return (f"bubblewrap cannot create its namespaces here ({probe.stderr.strip()[:200]}); enable "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)")
     return None
 
 

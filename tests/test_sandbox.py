@@ -121,6 +121,26 @@ def test_it_refuses_to_run_without_its_isolation(monkeypatch):
         run_python("print(1)")
 
 
+def test_it_refuses_to_run_where_bubblewrap_cannot_create_namespaces(monkeypatch, tmp_path):
+    fake = tmp_path / "bwrap"  # a bwrap that fails as it does where user namespaces are off
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: str(fake))
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(sandbox, "_namespaces", sandbox._namespaces.__wrapped__)
+    monkeypatch.setattr(sandbox.subprocess, "run", _with_path(sandbox.subprocess.run, str(tmp_path)))
+    with pytest.raises(SandboxUnavailable, match="cannot create its namespaces here .*No permissions"):
+        run_python("print(1)")
+
+
+def _with_path(run, folder: str):
+    """subprocess.run that finds programs in ``folder`` first (the sandbox passes its own PATH)."""
+    def wrapped(cmd, *args, env=None, **kwargs):
+        return run(cmd, *args, env={**(env or {}), "PATH": f"{folder}:/usr/bin:/bin"}, **kwargs)
+    return wrapped
+
+
 def test_as_root_it_refuses_to_run_without_a_process_cap(monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: "/usr/bin/bwrap")
     monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
