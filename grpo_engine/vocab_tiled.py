@@ -36,12 +36,13 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int,
-                 temperature: float, dtype: torch.dtype) -> Tensor:
-    logits = hidden.to(dtype) @ weight[start:stop].to(dtype).T
+def _tile_logits(hidden: Tensor, weight_tile: Tensor, bias: Tensor | None, start: int, stop: int,
+                 temperature: float) -> Tensor:
+    """[k, tile] float32 logits of one tile; ``hidden`` and ``weight_tile`` already in the compute dtype."""
+    logits = hidden @ weight_tile.T
     if bias is not None:
-        logits = logits + bias[start:stop].to(dtype)
-    return logits.float() / temperature  # [k, tile]
+        logits = logits + bias[start:stop].to(hidden.dtype)
+    return logits.float() / temperature
 
 
 class _TiledLinearLogprobs(torch.autograd.Function):
@@ -54,10 +55,11 @@ class _TiledLinearLogprobs(torch.autograd.Function):
         total = torch.zeros(k, device=hidden.device)  # sum exp(z - max)
         weighted = torch.zeros(k, device=hidden.device)  # sum exp(z - max) * z
         target_logit = torch.zeros(k, device=hidden.device)
+        h = hidden.to(dtype)  # cast once per pass, each weight tile once per tile
         with torch.autocast(hidden.device.type, enabled=False):  # the dtype is explicit
             for start in range(0, weight.shape[0], tile):
                 stop = min(start + tile, weight.shape[0])
-                z = _tile_logits(hidden, weight, bias, start, stop, temperature, dtype)
+                z = _tile_logits(h, weight[start:stop].to(dtype), bias, start, stop, temperature)
                 new_max = torch.maximum(running_max, z.max(dim=-1).values)
                 scale = torch.exp(running_max - new_max)
                 e = torch.exp(z - new_max[:, None])
@@ -83,10 +85,12 @@ class _TiledLinearLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if bias is not None and ctx.needs_input_grad[2] else None
         rows = torch.arange(hidden.shape[0], device=hidden.device)
+        h = hidden.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, weight.shape[0], ctx.tile):
                 stop = min(start + ctx.tile, weight.shape[0])
-                z = _tile_logits(hidden, weight, bias, start, stop, ctx.temperature, dtype)
+                w = weight[start:stop].to(dtype)
+                z = _tile_logits(h, w, bias, start, stop, ctx.temperature)
                 g = -torch.exp(z - log_norm[:, None]) * grad_logprobs[:, None]  # -softmax * upstream
                 inside = (targets >= start) & (targets < stop)
                 g[rows[inside], targets[inside] - start] += grad_logprobs[inside]
@@ -94,9 +98,9 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                 if grad_bias is not None:
                     grad_bias[start:stop] += g.sum(0)
                 g = g.to(dtype)
-                grad_hidden += g @ weight[start:stop].to(dtype)
+                grad_hidden += g @ w
                 if grad_weight is not None:
-                    grad_weight[start:stop] += g.T @ hidden.to(dtype)
+                    grad_weight[start:stop] += g.T @ h
         return (grad_hidden.to(hidden.dtype),
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None)
