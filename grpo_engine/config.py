@@ -199,6 +199,20 @@ class GRPOConfig(FrozenModel):
     top_p: float = Field(1.0, description="Nucleus sampling mass (1.0 = off).")
     top_k: int = Field(0, description="Top-k sampling (0 = off).")
 
+    # -- tools (GRPOTrainer(tools=..., environment_factory=...)) -------------------------------
+    max_turns: int = Field(
+        4, description="With tools: model turns per rollout (a rollout still calling a tool in its last "
+        "turn stops there, counted in turns/limit_reached); max_completion_tokens bounds the whole rollout."
+    )
+    tool_timeout_s: float = Field(
+        10.0, description="With tools: a call still running after this many seconds is reported to the "
+        "model as timed out (tools/timeouts)."
+    )
+    max_tool_chars: int = Field(
+        4000, description="With tools: characters of a tool's result the model reads; a longer one is "
+        "cut and the model is told (tools/cut_outputs)."
+    )
+
     # -- rewards -----------------------------------------------------------------------------
     reward_timeout_s: float | None = Field(
         120.0, description="A reward that has not scored a step's batch after this many seconds fails "
@@ -310,6 +324,8 @@ GRPOConfig.renamed = {
     "gradient_checkpointing": "it is MemoryPlan(gradient_checkpointing=True) here "
     "(memory.gradient_checkpointing)",
     "reward_weights": "here each reward carries its weight: MathAccuracy(weight=1.0)",
+    "max_tool_calling_iterations": "TRL's max_tool_calling_iterations (rounds of tool calls) is "
+    "max_turns - 1 here (max_turns counts the model's turns)",
     "resume_from_checkpoint": "resume with GRPOTrainer(..., resume_from='latest') (CLI: --resume)",
 }
 
@@ -317,10 +333,11 @@ GRPOConfig.field_rules = {
     **{
         name: (lambda v: v >= 1, "must be >= 1", f"set {name} to a positive integer")
         for name in ("prompts_per_step", "updates_per_batch", "max_prompt_tokens", "max_completion_tokens",
-                     "max_steps", "log_every_steps", "max_nonfinite_steps")
+                     "max_steps", "log_every_steps", "max_nonfinite_steps", "max_turns", "max_tool_chars")
     },
     "group_size": (lambda v: v >= 2, "makes every advantage 0 (a group needs at least two completions to "
                    "compare)", "use group_size >= 2"),
+    "tool_timeout_s": (lambda v: v > 0, "must be > 0 seconds", "use e.g. tool_timeout_s=10"),
     "temperature": (lambda v: v > 0, "must be > 0 (GRPO samples)",
                     "use a temperature in (0, 2], typically 0.7-1.0"),
     "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]", "use top_p=1.0 to turn it off"),

@@ -118,12 +118,12 @@ class PolicyGradient:
             metric_keys: metric names to report even when no row of the step ran.
         """
         world = self.parallel.world
-        num_tokens, num_sequences = (int(c) for c in world.sum(self.loss.counts(batch.completion_mask,
+        num_tokens, num_sequences = (int(c) for c in world.sum(self.loss.counts(batch.loss_mask,
                                                                                  batch.is_truncated)))
         counted = self.counted_rows(advantages, trains=bool(num_tokens and num_sequences))
         counts = torch.zeros(advantages.shape[0], dtype=torch.bool)
         counts[counted] = True
-        entropy_tokens = max(1, int(world.sum([batch.completion_mask[counted].sum()])[0]))
+        entropy_tokens = max(1, int(world.sum([batch.loss_mask[counted].sum()])[0]))
         run = self.parallel.rows_to_run(counted, advantages.shape[0]) if counted.numel() else counted
         micro_batches = list(run.split(self.memory.micro_batch_size)) if run.numel() else []
         pooled = self.loss.requires.entropy_pool
@@ -164,7 +164,7 @@ class PolicyGradient:
         """Forward, loss and backward of the rows ``idx``; returns their metric shares and whether each
         row's log-probs are finite [n]. ``counted``: [n] which of the rows count in the entropy metric."""
         inputs = batch.trimmed(idx)  # prompt ids and mask, completion ids and mask, padding columns cut
-        mask = inputs[3]
+        mask = _scored(batch, idx, inputs[3])  # the tokens trained on (not the environment's)
         metrics: dict[str, Tensor] = {}
         # forward and loss under autocast (mixed precision), backward outside it
         with activation_offload(self.memory), self._autocast():  # saved tensors to CPU memory, if planned
@@ -172,7 +172,7 @@ class PolicyGradient:
                 self.model, *inputs, temperature=temperature,
                 chunk_size=self.memory.logprob_chunk_size, with_entropy=self.with_entropy,
                 vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=self.loss.requires.entropy,
-                share_prompt=self.share_prompt)
+                share_prompt=self.share_prompt, score_mask=mask)
             logprobs, entropy = out if self.with_entropy else (out, None)
             if record is not None:
                 record[idx, :mask.shape[1]] = logprobs.detach().float().cpu()
@@ -212,8 +212,16 @@ class PolicyGradient:
             out[idx, :inputs[2].shape[1]] = completion_logprobs(
                 model, *inputs, temperature=temperature,
                 chunk_size=self.memory.logprob_chunk_size, vocab_tile=self.memory.logprob_vocab_tile,
-                share_prompt=self.share_prompt).cpu()
+                share_prompt=self.share_prompt, score_mask=_scored(batch, idx, inputs[3])).cpu()
         return out
 
     def _autocast(self):
         return autocast(self.memory, next(self.model.parameters()).device)
+
+
+def _scored(batch: RolloutBatch, idx: Tensor, mask: Tensor) -> Tensor:
+    """[n, C'] the loss mask of the rows ``idx`` cut to ``mask``'s width: ``mask`` itself when no
+    environment wrote into the completions."""
+    if batch.env_mask is None:
+        return mask
+    return mask & ~batch.env_mask[idx, :mask.shape[1]].to(mask.device)

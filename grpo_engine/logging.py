@@ -128,6 +128,8 @@ def rollout_metrics(batch: RolloutBatch, rewards: RewardOutput) -> dict[str, flo
         "zero_std_fraction": zero_std_fraction(total).item(),
         "tokens/generated": lengths.sum().item(),
     }
+    if batch.episodes is not None:  # multi-turn: the model's turns per rollout
+        metrics["turns/mean"] = sum(e.turns for e in batch.episodes) / max(len(batch.episodes), 1)
     for name, scores in rewards.breakdown.items():
         scores = scores.float().flatten()
         applies = scores[~scores.isnan()]  # a plain reward function's None: the reward does not apply

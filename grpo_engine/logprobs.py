@@ -125,6 +125,7 @@ def completion_logprobs(
     vocab_tile: int | None = None,
     entropy_grad: bool = False,
     share_prompt: bool = False,
+    score_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of each kept completion token under ``model`` (and optionally the token entropy).
 
@@ -140,10 +141,12 @@ def completion_logprobs(
         vocab_tile, entropy_grad: see :func:`selective_logprobs`.
         share_prompt: run each distinct prompt once and reuse its KV cache for every row that has
             it (see the module docstring); ignored where :func:`can_share_prompt` says no.
+        score_mask: [n, C] the tokens to score, within ``completion_mask`` (default: all of them);
+            the others are attended to (a tool's answer in a multi-turn rollout) but get 0.
 
     Returns:
-        [n, C] float32 log-probs, 0 where ``completion_mask`` is False; with ``with_entropy``,
-        ``(logprobs, entropy)``, both [n, C].
+        [n, C] float32 log-probs, 0 where ``completion_mask`` (or ``score_mask``) is False; with
+        ``with_entropy``, ``(logprobs, entropy)``, both [n, C].
     """
     decoder = model.get_decoder()
     distinct = (_distinct_rows(prompt_ids, prompt_mask) if share_prompt and _keeps_cache(model, prompt_ids)
@@ -163,7 +166,7 @@ def completion_logprobs(
         hidden = _last_hidden(out)  # [n, T, H]
         # position t-1 predicts completion token t
         predicting = hidden[:, prompt_ids.shape[1] - 1:-1]  # [n, C, H]
-    keep = completion_mask.bool()
+    keep = completion_mask.bool() if score_mask is None else score_mask.bool() & completion_mask.bool()
     selected = selective_logprobs(
         predicting[keep],
         model.get_output_embeddings(),

@@ -1,17 +1,16 @@
 """GRPOTrainer: assembles the components and runs the six-stage GRPO step.
 
-    1. sample a group of completions per prompt     (Sampler; a GroupFilter may drop groups)
+    1. sample a group of completions per prompt (Sampler; a GroupFilter may drop groups; with tools, turns)
     2. score them, with a per-reward breakdown, and each group's uncertainty (rewards, EntropyEstimator)
-    3. old / reference log-probs without gradient, only when needed, then the reward transforms that
-       need them (a KL penalty in the reward)
+    3. old / reference log-probs without gradient, only when needed, then the reward transforms (a KL penalty)
     4. advantages                                    (AdvantageFn)
     5. micro-batched loss and backward, normalised by step-global counts (GRPOLoss; grpo_engine.gradients)
     6. optimizer step and metrics; callbacks (evaluation, controllers, user code) run after
 
-No algorithm math lives here: the trainer moves records between components, logs the metrics and
-calls the callbacks (grpo_engine.callbacks). The parallelism strategy (grpo_engine.distributed) is
-chosen when the trainer is built and applied around the loop; one process is data parallel with one
-rank. Every counter of a run lives in ``TrainerState``; ``state_dict()`` is what a checkpoint keeps.
+No algorithm math lives here: the trainer moves records between components, logs the metrics and calls
+the callbacks (grpo_engine.callbacks). The parallelism strategy (grpo_engine.distributed) is chosen when the
+trainer is built and applied around the loop; one process is data parallel with one rank. Every counter of
+a run lives in ``TrainerState``; ``state_dict()`` is what a checkpoint keeps.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from grpo_engine.report import report_callbacks
 from grpo_engine.rewards import WeightedSum, trainer_runner
 from grpo_engine.rollout import Rollouts
 from grpo_engine.sampling.hf import HFSampler
+from grpo_engine.tools.rollout import with_tools
 from grpo_engine.types import Prompt, Rollout, RolloutBatch
 
 __all__ = ["GRPOTrainer"]
@@ -76,6 +76,7 @@ class GRPOTrainer:
         tokenizer: required when ``model`` is a module.
         sampler: a ``Sampler`` (default ``HFSampler`` on the policy), or a ``GroupFilter``
             (``DynamicSampling``) on the default sampler's groups.
+        tools, environment_factory: TRL's: functions to call, one environment per rollout (docs/tools.md).
         advantage: defaults to ``GroupNormalized()`` (group z-score).
         loss: defaults to ``ClippedSurrogate()`` (PPO clip 0.2, per-sequence mean, no KL).
         entropy: optional per-group uncertainty, passed to the advantage function and callbacks.
@@ -97,7 +98,8 @@ class GRPOTrainer:
                  sampler: Sampler | GroupFilter | None = None, advantage: AdvantageFn | None = None,
                  loss: GRPOLoss | None = None, entropy: EntropyEstimator | None = None,
                  template: PromptTemplate | None = None, callbacks: Sequence[Callback] = (),
-                 resume_from: str | Path | checkpoint.Resume | None = None) -> None:
+                 resume_from: str | Path | checkpoint.Resume | None = None, tools: Sequence[Callable] = (),
+                 environment_factory: Callable[[], Any] | None = None) -> None:
         self.config = cfg = config if config is not None else GRPOConfig()
         self.memory = memory = memory if memory is not None else MemoryPlan()
         self.world = world = World.current()  # this process's rank under torchrun (one process: 0 of 1)
@@ -105,6 +107,7 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         self.model, self.tokenizer = load_policy(model, tokenizer, memory, world)
         self._components(rewards, sampler, advantage, loss, entropy, template)
+        self.sampler = with_tools(self.sampler, tools, environment_factory, cfg)  # multi-turn, with tools
         self.prompts = training_prompts(
             prompts, self.rewards.check, lambda p: len(self.sampler.prompt_tokens(p)),
             max_prompt_tokens=cfg.max_prompt_tokens, overlong=cfg.overlong_prompts,
@@ -255,9 +258,8 @@ class GRPOTrainer:
     # -- state and checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the run besides the weights and the optimizer (which the strategy
-        writes, whole or sharded): every counter (``TrainerState``), the schedule, the random
-        generators, the prompt source and each callback."""
+        """What a checkpoint keeps besides the weights and the optimizer (the strategy writes those): every
+        counter (``TrainerState``), the schedule, the random generators, the prompt source, each callback."""
         return {"trainer": self.state.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "rng": checkpoint.rng_states(), "prompts": self.prompts.state_dict(),
                 "callbacks": [c.state_dict() for c in self.callbacks]}

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Message", "Prompt", "Draws", "RolloutBatch", "RewardOutput", "Rollout", "StepRollout",
+__all__ = ["Message", "Prompt", "Draws", "Episode", "RolloutBatch", "RewardOutput", "Rollout", "StepRollout",
            "MicroBatch", "TokenLoss", "LossOutput", "Requirements"]
 
 Message = Mapping[str, str]  # {"role": "user", "content": "..."}
@@ -109,6 +109,32 @@ class Draws:
 
 
 @dataclass(frozen=True)
+class Episode:
+    """What happened in one multi-turn rollout (a row of a batch sampled with tools).
+
+    Attributes:
+        messages: the conversation after the prompt, as chat messages: the model's turns
+            (``{"role": "assistant", "content": text}``, the text as sampled, tool calls included) and
+            the tools' answers (``{"role": "tool", "name": ..., "content": ...}``).
+        tool_calls: every tool call the model made, in order, each ``{"name": ..., "arguments": {...}}``
+            (a call that could not be parsed: ``{"name": None, "error": why}``).
+        turns: the model's turns.
+        environment: the row's environment object (``environment_factory``), or None; it stays in the
+            process that sampled the row (not sent to other ranks).
+    """
+
+    messages: tuple[Mapping[str, Any], ...]
+    tool_calls: tuple[Mapping[str, Any], ...] = ()
+    turns: int = 1
+    environment: Any = None
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickles without the environment (an object of the user's, often not picklable)."""
+        return Episode, (tuple(dict(m) for m in self.messages), tuple(dict(c) for c in self.tool_calls),
+                         self.turns, None)
+
+
+@dataclass(frozen=True)
 class RolloutBatch:
     """The completions sampled for one step: G per prompt, N = B * G rows.
 
@@ -120,9 +146,10 @@ class RolloutBatch:
         prompt_ids: [N, P] left-padded prompt ids.
         prompt_mask: [N, P] True on real prompt tokens.
         completion_ids: [N, C] right-padded sampled ids, the EOS token included when sampled.
-        completion_mask: [N, C] True on sampled tokens up to and including the first EOS.
+        completion_mask: [N, C] True on sampled tokens up to and including the first EOS (with
+            tools: on every token of the rollout, the model's and the environment's).
         is_truncated: [N] True when the completion hit ``max_completion_tokens`` without EOS.
-        texts: the N decoded completions (special tokens removed).
+        texts: the N decoded completions (special tokens removed); with tools, the model's last turn.
         sampler_logprobs: [N, C] log-probabilities of the sampled ids under the sampling
             distribution at the sampling temperature, or None when the sampler does not report them.
         trained_groups: [B] bool, the groups to train on, or None for all of them. A group filter
@@ -130,6 +157,10 @@ class RolloutBatch:
             and the prompt source hear about every group drawn.
         metrics: counts for the step's log (e.g. ``prompts/truncated``); concatenating batches
             (rounds of sampling, the ranks' shares) adds them up.
+        env_mask: [N, C] bool, True on the tokens the environment wrote (tool messages and the chat
+            template's turn markers around them), or None (single-turn: none). They are attended to
+            and never trained on (:attr:`loss_mask`).
+        episodes: the N multi-turn rollouts' conversations (:class:`Episode`), or None (single-turn).
     """
 
     prompts: tuple[Prompt, ...]
@@ -143,6 +174,8 @@ class RolloutBatch:
     sampler_logprobs: Tensor | None = None  # [N, C]
     trained_groups: Tensor | None = None  # [B] bool
     metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    env_mask: Tensor | None = None  # [N, C] bool
+    episodes: tuple[Episode, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompts) * self.group_size
@@ -154,7 +187,11 @@ class RolloutBatch:
             "is_truncated": self.is_truncated.shape[0],
             "texts": len(self.texts),
         }
+        if self.episodes is not None:
+            shapes["episodes"] = len(self.episodes)
         bad = {k: v for k, v in shapes.items() if v != n}
+        if self.env_mask is not None and self.env_mask.shape != self.completion_mask.shape:
+            bad["env_mask"] = tuple(self.env_mask.shape)
         if bad:
             raise ValueError(f"RolloutBatch rows must all equal B*G={n}; got {bad}")
         b = len(self.prompts)
@@ -183,6 +220,14 @@ class RolloutBatch:
         return self.completion_mask.sum(dim=1)
 
     @property
+    def loss_mask(self) -> Tensor:
+        """[N, C] True on the tokens the loss trains on: the sampled ones (``completion_mask`` without
+        ``env_mask``)."""
+        if self.env_mask is None:
+            return self.completion_mask
+        return self.completion_mask & ~self.env_mask.to(self.completion_mask.device)
+
+    @property
     def input_ids(self) -> Tensor:
         """[N, T] prompt and completion ids side by side."""
         return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
@@ -207,13 +252,16 @@ class RolloutBatch:
         g = self.group_size
         rows = (groups[:, None] * g + torch.arange(g)[None, :]).flatten()
         logprobs, marks = self.sampler_logprobs, self.trained_groups
+        env, episodes = self.env_mask, self.episodes
         return dataclasses.replace(
             self, prompts=tuple(self.prompts[i] for i in groups.tolist()),
             prompt_ids=self.prompt_ids[rows], prompt_mask=self.prompt_mask[rows],
             completion_ids=self.completion_ids[rows], completion_mask=self.completion_mask[rows],
             is_truncated=self.is_truncated[rows], texts=tuple(self.texts[i] for i in rows.tolist()),
             sampler_logprobs=logprobs[rows] if logprobs is not None else None,
-            trained_groups=marks[groups] if marks is not None else None)
+            trained_groups=marks[groups] if marks is not None else None,
+            env_mask=env[rows] if env is not None else None,
+            episodes=tuple(episodes[i] for i in rows.tolist()) if episodes is not None else None)
 
     @staticmethod
     def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
@@ -241,6 +289,11 @@ class RolloutBatch:
             sampler_logprobs=None if any(lp is None for lp in logprobs) else _pad(logprobs, c_width, 0.0,
                                                                                    left=False),
             trained_groups=marks, metrics=MappingProxyType(_summed([b.metrics for b in batches])),
+            env_mask=None if all(b.env_mask is None for b in batches) else _pad(
+                [torch.zeros_like(b.completion_mask) if b.env_mask is None else b.env_mask for b in batches],
+                c_width, False, left=False),
+            episodes=None if any(b.episodes is None for b in batches) else tuple(
+                e for b in batches for e in b.episodes),
         )
 
     def to_cpu(self) -> RolloutBatch:

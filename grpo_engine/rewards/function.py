@@ -7,7 +7,9 @@ the prompts' contents (text, or a list of chat messages), ``completions`` the de
 completions, and ``columns`` every metadata column of the prompts (a dataset's other columns, e.g.
 ``answer``) plus ``target``, each a list with one value per completion. ``None`` means "does not
 apply to this sample": it is left out of that sample's weighted sum (the sample's other rewards
-still count) and out of the reward's logged mean, and counted in ``reward/<name>/none``.
+still count) and out of the reward's logged mean, and counted in ``reward/<name>/none``. With tools
+(a multi-turn batch), ``completions`` are the model's last turns, and the columns add ``conversations``
+(each rollout's messages after the prompt) and ``environments`` (each rollout's environment, or None).
 ``WeightedSum`` (hence the trainer) wraps a plain function in :class:`FunctionReward` itself.
 """
 
@@ -22,7 +24,7 @@ import torch
 from torch import Tensor
 
 from grpo_engine.rewards.base import RewardError, check_weight, excerpt
-from grpo_engine.types import Prompt
+from grpo_engine.types import Episode, Prompt
 
 __all__ = ["FunctionReward"]
 
@@ -43,6 +45,7 @@ class FunctionReward:
     """
 
     allows_none = True  # WeightedSum: a NaN score is "does not apply", not an error
+    reads_episodes = True  # the runner passes a multi-turn batch's episodes
 
     def __init__(self, fn: Callable[..., Sequence[float | None]], weight: float = 1.0,
                  name: str | None = None) -> None:
@@ -58,14 +61,19 @@ class FunctionReward:
         return f"FunctionReward({getattr(self.fn, '__qualname__', self.fn)!r}, weight={self.weight!r}, " \
                f"name={self.name!r})"
 
-    def __call__(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> Tensor:
-        """[N] float32 scores, NaN where the function returned None."""
+    def __call__(self, prompts: Sequence[Prompt], completions: Sequence[str],
+                 episodes: Sequence[Episode] | None = None) -> Tensor:
+        """[N] float32 scores, NaN where the function returned None; ``episodes``: a multi-turn batch's
+        (passed on as the ``conversations`` and ``environments`` columns)."""
         if len(prompts) != len(completions):
             raise ValueError(f"reward {self.name!r}: got {len(prompts)} prompts and {len(completions)} "
                              "completions")
         contents = [list(p.content) if isinstance(p.content, tuple) else p.content for p in prompts]
         try:
-            scores = list(self.fn(prompts=contents, completions=list(completions), **columns(prompts)))
+            extra = {} if episodes is None else {"conversations": [list(e.messages) for e in episodes],
+                                                 "environments": [e.environment for e in episodes]}
+            scores = list(self.fn(prompts=contents, completions=list(completions), **columns(prompts),
+                                  **extra))
         except Exception as exc:
             raise RewardError(f"reward {self.name!r} (function {getattr(self.fn, '__qualname__', self.fn)}) "
                               f"raised {type(exc).__name__} on a batch of {len(completions)} samples: "

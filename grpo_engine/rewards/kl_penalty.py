@@ -57,7 +57,7 @@ class KLRewardPenalty:
         if old_logprobs is None or ref_logprobs is None:
             raise ValueError("KLRewardPenalty needs old_logprobs and ref_logprobs [N, C]; "
                              "the trainer computes them when the rewards declare it (WeightedSum.requires)")
-        mask = batch.completion_mask.to(old_logprobs.device)
+        mask = batch.loss_mask.to(old_logprobs.device)
         penalty = self(old_logprobs, ref_logprobs, mask).reshape(rewards.total.shape)
         return RewardOutput(total=rewards.total - penalty.to(rewards.total.device),
                             breakdown={**rewards.breakdown, "kl_penalty": penalty}, errors=rewards.errors)

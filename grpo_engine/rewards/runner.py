@@ -2,7 +2,8 @@
 for failures.
 
 A reward is called once per batch: ``reward.score_rollout(batch)`` when it defines it (rewards on
-tokens, such as ``OverlongPenalty``), else ``reward(batch.row_prompts, batch.texts)``. The result must
+tokens, such as ``OverlongPenalty``), else ``reward(batch.row_prompts, batch.texts)`` (with
+``episodes=`` a multi-turn batch's, for a reward that sets ``reads_episodes``). The result must
 be a floating tensor of shape [N] with finite values (NaN, "does not apply", only from a reward with
 ``allows_none``). With ``timeout_s`` the call runs in a worker thread and :class:`RewardTimeout` is
 raised after it (Python cannot stop the thread; it finishes, or not, in the background). On a
@@ -59,8 +60,10 @@ class RewardRunner:
         """[N] checked float scores of ``reward`` on ``batch``, and how many samples failed (scored 0)."""
         n = batch.num_completions
         score_rollout = getattr(reward, "score_rollout", None)
+        episodes = batch.episodes if getattr(reward, "reads_episodes", False) else None
+        extra = lambda rows: {} if episodes is None else {"episodes": [episodes[i] for i in rows]}  # noqa: E731
         run = (lambda: score_rollout(batch)) if callable(score_rollout) else (
-            lambda: reward(batch.row_prompts, batch.texts))
+            lambda: reward(batch.row_prompts, batch.texts, **extra(range(n))))
         try:
             return self._checked(reward, self._within(run, reward.name, n), batch.row_prompts, batch.texts), 0
         except RewardError as error:
@@ -72,7 +75,8 @@ class RewardRunner:
         for i in range(n):
             prompt, text = batch.row_prompts[i], batch.texts[i]
             try:
-                one = self._within(lambda p=prompt, t=text: reward([p], [t]), reward.name, 1)
+                one = self._within(lambda p=prompt, t=text, i=i: reward([p], [t], **extra([i])),
+                                   reward.name, 1)
                 scores[i] = self._checked(reward, one, [prompt], [text])[0]
             except RewardError:
                 failed += 1

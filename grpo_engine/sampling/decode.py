@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -241,11 +241,15 @@ def _prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int) -> dict:
 @torch.no_grad()
 def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
            eos_ids: Sequence[int], pad_id: int, draw: TokenDraw, clock: PhaseClock | None = None,
-           row_offset: int = 0, total_rows: int | None = None) -> tuple[Tensor, Tensor | None]:
+           row_offset: int = 0, total_rows: int | None = None, draw_rows: Tensor | None = None,
+           stop: Callable[[Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """Completions of the left-padded prompts ``ids`` / ``mask`` [B, P], each repeated ``repeats``
     times (rows ``b*repeats ..`` belong to prompt b), one token per step chosen by ``draw``.
     ``row_offset`` / ``total_rows``: these rows' place among all the rows of the step (data parallel),
-    whose uniforms every step draws (:func:`draw_uniforms`).
+    whose uniforms every step draws (:func:`draw_uniforms`). ``draw_rows`` [B*repeats], instead: the
+    row of the step's draw each row takes (rows that are not contiguous: a multi-turn rollout's turn).
+    ``stop(ids, rows) -> [r] bool``, when given, is asked after each token with the running rows' ids so
+    far [r, t] and their output rows [r]; a row it answers True for ends there, like an EOS.
 
     Returns:
         ids [B*repeats, C] (``pad_id`` after a row's EOS token, which is kept) and the log-probs
@@ -268,13 +272,17 @@ def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new
     token = ids[:, -1].repeat_interleave(repeats, 0)  # [n]
     rows = torch.arange(n, device=device)  # the output row of each running row
     done = torch.zeros(n, dtype=torch.bool, device=device)  # each running row: has it emitted an EOS?
+    lengths = torch.full((n,), max_new_tokens, device=device)  # where stop() ended a row
     prune = True
     for t in range(max_new_tokens):
         out = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None],
                     use_cache=True, logits_to_keep=1, **cache)
         # draw the uniforms of every row, as static decoding does, then keep the running rows'
-        u = (draw_uniforms(n, device, row_offset=row_offset, total_rows=total_rows)[rows]
-             if draw.needs_uniforms else None)
+        u = None
+        if draw.needs_uniforms and draw_rows is None:
+            u = draw_uniforms(n, device, row_offset=row_offset, total_rows=total_rows)[rows]
+        elif draw.needs_uniforms:
+            u = draw_uniforms(total_rows, device)[draw_rows[rows]]
         token, logprobs, ok = draw(out.logits[:, -1], u)
         if not ok.all():
             raise ValueError(BAD_DISTRIBUTION)
@@ -284,6 +292,10 @@ def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new
                 out_logprobs = torch.zeros((n, max_new_tokens), dtype=logprobs.dtype, device=device)
             out_logprobs[rows, t] = logprobs
         done = done | torch.isin(token, eos)
+        if stop is not None:
+            ended = stop(out_ids[rows, :t + 1], rows).to(device)
+            lengths[rows[ended & ~done]] = t + 1
+            done = done | ended
         if t == max_new_tokens - 1 or done.all():
             break
         name, cache_now = kv_cache(out)
@@ -298,8 +310,9 @@ def decode(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, max_new
         position = position + 1
     if clock is not None:
         clock.mark("decode")
-    if not prune:  # rows ran on after their EOS: blank what followed it
+    if not prune:  # rows ran on after their EOS (or their stop): blank what followed it
         keep, _ = completion_mask_from_ids(out_ids, eos_ids)
+        keep &= torch.arange(max_new_tokens, device=device)[None, :] < lengths[:, None]
         out_ids = out_ids.masked_fill(~keep, pad_id)
         out_logprobs = out_logprobs.masked_fill(~keep, 0.0) if out_logprobs is not None else None
     return out_ids, out_logprobs

@@ -1,0 +1,9 @@
+"""Multi-turn rollouts with tools and environments: :class:`ToolSampler`, the tool-call parsers, and a
+ready ``python`` tool on the sandbox (:func:`python_tool`)."""
+
+from grpo_engine.tools.functions import Tool, ToolResult, as_tool, call_tools, environment_tools
+from grpo_engine.tools.parsers import HermesParser, ToolCallParser
+from grpo_engine.tools.rollout import ToolSampler
+
+__all__ = ["Tool", "ToolResult", "as_tool", "call_tools", "environment_tools", "HermesParser",
+           "ToolCallParser", "ToolSampler"]
