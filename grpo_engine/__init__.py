@@ -5,6 +5,7 @@ The public surface::
     from grpo_engine import GRPOTrainer, GRPOConfig, MemoryPlan, LoRA, HeldOutEval
     from grpo_engine.rewards import MathAccuracy, ThinkAnswerFormat, Reward
     from grpo_engine.data import load_jsonl_prompts, load_gsm8k, arithmetic_task
+    from grpo_engine.tools import ToolSampler, python_tool   # multi-turn rollouts with tools
 """
 
 import grpo_engine._quiet  # noqa: F401  (known third-party log noise, filtered where it arises)
@@ -28,6 +29,7 @@ from grpo_engine.protocols import (
 from grpo_engine.report import TensorBoardLogger, TrackioLogger, WandbLogger
 from grpo_engine.rewards import FunctionReward, Reward, WeightedSum
 from grpo_engine.sampling import HFSampler
+from grpo_engine.tools import ToolSampler
 from grpo_engine.trainer import GRPOTrainer
 from grpo_engine.types import LossOutput, MicroBatch, Prompt, Requirements, RewardOutput, RolloutBatch
 
@@ -60,6 +62,7 @@ __all__ = [
     "AdvantageFn",
     "GRPOLoss",
     "HFSampler",
+    "ToolSampler",
     "Reward",
     "FunctionReward",
     "WeightedSum",

@@ -140,6 +140,7 @@ def rollout_metrics(batch: RolloutBatch, rewards: RewardOutput) -> dict[str, flo
     # samples scored 0 because their reward failed (on_reward_error)
     for name, count in rewards.errors.items():
         metrics[f"reward/{name}/errors"] = float(count)
+    metrics.update(rewards.metrics)  # counts the rewards reported (CodeTests' failure kinds)
     return metrics
 
 

@@ -311,11 +311,14 @@ class RewardOutput:
         total: [B, G] the weighted combination that advantages are computed from.
         breakdown: reward name -> [B, G] unweighted scores of each component, for logging.
         errors: reward name -> samples whose scoring failed and were scored 0 (``on_reward_error="zero"``).
+        metrics: counts the rewards reported for the step's log (``reward/<name>/<key>``, e.g.
+            ``CodeTests``' ``reward/code_tests/timeout``); added up over batches.
     """
 
     total: Tensor  # [B, G]
     breakdown: Mapping[str, Tensor] = field(default_factory=dict)  # name -> [B, G]
     errors: Mapping[str, int] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     def scored(self, name: str, used_by: str) -> Tensor:
         """[B, G] the breakdown reward ``name``, for a statistic of every sample (a group's accuracy or
@@ -344,19 +347,20 @@ class RewardOutput:
         """The rewards of the groups ``groups`` (indices into B); error counts are the step's."""
         at = groups.to(self.total.device)
         return RewardOutput(total=self.total[at], breakdown={k: v[at] for k, v in self.breakdown.items()},
-                            errors=self.errors)
+                            errors=self.errors, metrics=self.metrics)
 
     @staticmethod
     def concat(parts: Sequence[RewardOutput]) -> RewardOutput:
         """The rewards of consecutive batches as one: [B_i, G] stacked, error counts added up."""
         breakdown = {k: torch.cat([p.breakdown[k] for p in parts]) for k in parts[0].breakdown}
         return RewardOutput(total=torch.cat([p.total for p in parts]), breakdown=breakdown,
-                            errors=_summed([p.errors for p in parts]))
+                            errors=_summed([p.errors for p in parts]),
+                            metrics=_summed([p.metrics for p in parts]))
 
     def to_cpu(self) -> RewardOutput:
         """The rewards on the CPU, picklable (plain dicts), to send to other processes."""
         return RewardOutput(total=self.total.cpu(), breakdown={k: v.cpu() for k, v in self.breakdown.items()},
-                            errors=dict(self.errors))
+                            errors=dict(self.errors), metrics=dict(self.metrics))
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,8 @@ class WeightedSum:
 
         Returns:
             ``total`` [B, G] float32, the weighted sum (of raw or of group-z-scored scores, per
-            ``normalize``); ``breakdown`` name -> [B, G] float32 raw unweighted scores.
+            ``normalize``); ``breakdown`` name -> [B, G] float32 raw unweighted scores; ``metrics`` the
+            counts a reward with ``batch_metrics()`` reported for this batch (``reward/<name>/<key>``).
 
         Raises:
             RewardError: a reward returned something other than a finite floating [N] tensor
@@ -163,8 +164,12 @@ class WeightedSum:
         total = torch.zeros(b, g, dtype=torch.float32)
         breakdown: dict[str, Tensor] = {}
         errors: dict[str, int] = {}
+        metrics: dict[str, float] = {}
         for reward in self.rewards:
             scores, errors[reward.name] = runner.scores(reward, batch)
+            report = getattr(reward, "batch_metrics", None)  # counts of the batch just scored, if any
+            counts = report() if callable(report) else {}
+            metrics.update({f"reward/{reward.name}/{k}": float(v) for k, v in counts.items()})
             scores = scores.to(device=total.device, dtype=torch.float32).view(b, g)
             breakdown[reward.name] = scores
             if self.normalize == "each":
@@ -173,4 +178,4 @@ class WeightedSum:
                                       "normalize='each' cannot z-score; use normalize='after_sum'")
                 scores = group_zscore(scores, 1e-6, "WeightedSum")
             total = total + float(reward.weight) * scores.nan_to_num(nan=0.0)  # None: left out of the sum
-        return RewardOutput(total=total, breakdown=breakdown, errors=errors)
+        return RewardOutput(total=total, breakdown=breakdown, errors=errors, metrics=metrics)

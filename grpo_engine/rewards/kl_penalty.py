@@ -60,4 +60,5 @@ class KLRewardPenalty:
         mask = batch.loss_mask.to(old_logprobs.device)
         penalty = self(old_logprobs, ref_logprobs, mask).reshape(rewards.total.shape)
         return RewardOutput(total=rewards.total - penalty.to(rewards.total.device),
-                            breakdown={**rewards.breakdown, "kl_penalty": penalty}, errors=rewards.errors)
+                            breakdown={**rewards.breakdown, "kl_penalty": penalty}, errors=rewards.errors,
+                            metrics=rewards.metrics)

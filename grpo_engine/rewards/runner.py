@@ -61,7 +61,7 @@ class RewardRunner:
         n = batch.num_completions
         score_rollout = getattr(reward, "score_rollout", None)
         episodes = batch.episodes if getattr(reward, "reads_episodes", False) else None
-        extra = lambda rows: {} if episodes is None else {"episodes": [episodes[i] for i in rows]}  # noqa: E731
+        extra = lambda rows: {} if episodes is None else {"episodes": [episodes[i] for i in rows]}
         run = (lambda: score_rollout(batch)) if callable(score_rollout) else (
             lambda: reward(batch.row_prompts, batch.texts, **extra(range(n))))
         try:

@@ -3,7 +3,8 @@ ready ``python`` tool on the sandbox (:func:`python_tool`)."""
 
 from grpo_engine.tools.functions import Tool, ToolResult, as_tool, call_tools, environment_tools
 from grpo_engine.tools.parsers import HermesParser, ToolCallParser
+from grpo_engine.tools.python import python_tool
 from grpo_engine.tools.rollout import ToolSampler
 
 __all__ = ["Tool", "ToolResult", "as_tool", "call_tools", "environment_tools", "HermesParser",
-           "ToolCallParser", "ToolSampler"]
+           "ToolCallParser", "ToolSampler", "python_tool"]
