@@ -300,20 +300,24 @@ def run_description(config: Any, memory: Any, components: dict[str, Any], sample
     described = {name: _describe(component) for name, component in components.items()}
     described["sampler"] = type(sampler).__qualname__
     described["callbacks"] = [type(c).__qualname__ for c in callbacks]
-    return {"settings": settings, "components": described}
+    defaults = {f"config.{k}": v for k, v in type(config)().model_dump(mode="json").items()}
+    defaults.update({f"memory.{k}": v for k, v in type(memory)().model_dump(mode="json").items()})
+    return {"settings": settings, "components": described, "defaults": defaults}
 
 
 def summary(counters: dict[str, Any], description: dict[str, Any]) -> dict[str, Any]:
     """The ``trainer_state.json`` of a checkpoint: where the run stands and what it is made of."""
     where = {key: counters[key] for key in ("step", "train_seconds", "temperature", "skipped_steps")}
-    return {"format": 2, **where, **description}
+    return {"format": 2, **where, **{k: v for k, v in description.items() if k != "defaults"}}
 
 
 def _differences(saved: dict[str, Any], now: dict[str, Any], allowed: Iterable[str]) -> list[str]:
     problems, allowed = [], set(allowed)
     for key in sorted(set(saved["settings"]) | set(now["settings"])):
         old, new = saved["settings"].get(key), now["settings"].get(key)
-        if old == new or key in allowed:
+        # a setting newer than the checkpoint, at its default, is what that run did
+        added = key not in saved["settings"] and new == now.get("defaults", {}).get(key, ...)
+        if old == new or key in allowed or added:
             continue
         if key in SAFE_CHANGES:
             problems.append(f"{key} was {old!r}, now {new!r}: allow it with Resume(path, allow_changes="

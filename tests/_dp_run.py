@@ -113,7 +113,28 @@ def case(name: str) -> dict:
     return cases[name]
 
 
+def build_tools(out: Path, steps: int, resume: str | None) -> GRPOTrainer:
+    """Multi-turn rollouts with a tool (tests/test_tools.py's model, whose turns end soon, and a parser that
+    calls the tool every turn)."""
+    from tests.test_tools import TEMPLATE, EveryTurnCalls, echo, turn_taking_model
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    torch.manual_seed(1)
+    config = GRPOConfig(prompts_per_step=4, group_size=4, max_completion_tokens=40, max_prompt_tokens=1024,
+                        learning_rate=3e-4, max_steps=steps, seed=3, max_turns=3, output_dir=str(out),
+                        progress_bar=False)
+    prompts = [Prompt(f"{a}+{b}=", str(a + b)) for a, b in SUMS]
+    trainer = GRPOTrainer(turn_taking_model(tokenizer), [DigitShare()], prompts, config,
+                          MemoryPlan(lora=LoRA(r=4), micro_batch_size=4), tokenizer=tokenizer, tools=[echo],
+                          resume_from=Resume(resume, frozenset({"config.output_dir"})) if resume else None)
+    trainer.sampler.parser = EveryTurnCalls()
+    return trainer
+
+
 def build(name: str, out: Path, steps: int, resume: str | None = None) -> GRPOTrainer:
+    if name == "tools":
+        return build_tools(out, steps, resume)
     settings = case(name)
     demo, curriculum = settings.pop("demo", False), settings.pop("curriculum", False)
     tokenizer = char_tokenizer()

@@ -20,7 +20,7 @@ from grpo_engine.types import Prompt, RewardOutput, Rollout, RolloutBatch, StepR
 from tests import _dp_run
 
 CASES = ["sequence", "token", "constant", "batch_std", "reinforce_pp", "kl_reward", "curriculum", "dynamic",
-         "demo", "top_entropy", "fsdp_lora", "fsdp_full", "fsdp_top_entropy"]
+         "demo", "top_entropy", "fsdp_lora", "fsdp_full", "fsdp_top_entropy", "tools"]
 TWO_RANKS_ONLY = ["dynamic_top_entropy"]  # checked against what its ranks recorded, not against one process
 WORKER = Path(_dp_run.__file__)
 
@@ -73,6 +73,12 @@ def test_every_rank_holds_the_same_weights_and_metrics(runs, case):
     assert rank0["metrics"] == rank1["metrics"]
 
 
+def test_the_tools_run_called_tools_across_turns(runs):
+    """The tools case's equality means something only if its rollouts took several turns."""
+    one = load(runs[1], "tools")
+    assert all(m["tools/calls"] > 0 and m["turns/mean"] > 1 for m in one["metrics"])
+
+
 def test_the_demo_run_had_signal_to_train_on(runs):
     """The demo case's equality means something only if its steps moved the policy."""
     one = load(runs[1], "demo")
@@ -80,7 +86,7 @@ def test_the_demo_run_had_signal_to_train_on(runs):
     assert one["metrics"][-1]["lr"] < one["metrics"][0]["lr"]  # the cosine schedule ran
 
 
-@pytest.mark.parametrize("case", ["sequence", "fsdp_lora", "fsdp_full"])
+@pytest.mark.parametrize("case", ["sequence", "fsdp_lora", "fsdp_full", "tools"])
 def test_a_two_rank_checkpoint_resumes_in_one_process_and_continues_equally(runs, case):
     two, one = runs
     resumed = _dp_run.run(case, two, resume=str(two / case / "checkpoint-1"))

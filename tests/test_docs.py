@@ -62,7 +62,8 @@ def _sandbox_missing() -> str | None:
     return sandbox_available()
 
 
-NEEDS = {"docs/sandbox.md": _sandbox_missing}  # what a page's blocks need from the machine (None: there)
+# what a page's blocks need from the machine (None: there)
+NEEDS = {"docs/sandbox.md": _sandbox_missing, "docs/tools.md": _sandbox_missing}
 
 
 def test_every_page_with_python_is_collected():

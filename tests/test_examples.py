@@ -115,3 +115,15 @@ def test_custom_reward(tiny_folder, tmp_path, capsys):
     assert "bare_integer('12') = 1.0" in printed and "bare_integer('7 + 5 = 12') = 0.5" in printed
     assert "bare_integer('13') = 0.0" in printed
     assert "reward/bare_integer/mean" in check_run_folder(tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore:step \\d+. every group has identical rewards")
+@pytest.mark.filterwarnings("ignore:a prompt of \\d+ tokens")
+@pytest.mark.skipif(__import__("grpo_engine.sandbox").sandbox.sandbox_available() is not None,
+                    reason="the python tool needs the sandbox (bubblewrap)")
+def test_python_tool(tiny_folder, tmp_path):
+    result = run_example("python_tool", ["--model", str(tiny_folder[0]), "--output-dir", str(tmp_path),
+                                         "--eval-size", "2", "--budget-s", "60", *TINY])
+    assert set(result["before"]) == {"accuracy", "tool_call_rate", "turns_mean"} and result["steps"] == 1
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"tools/calls", "turns/mean", "reward/correct/mean"} <= set(record)

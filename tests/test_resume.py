@@ -152,3 +152,19 @@ def test_a_format_1_checkpoint_resumes_like_the_one_it_became(tmp_path):
         steps.append((trainer.state.step, trainer.state.train_seconds, trainer.step()["grad_norm"]))
         assert trainer.state.zero_std_warned == (folder == old)
     assert steps[0] == steps[1] and steps[0][0] == 2 and steps[0][1] > 0  # the same third step
+
+
+def test_a_checkpoint_older_than_a_setting_resumes_when_the_setting_is_at_its_default(tmp_path):
+    """A checkpoint saved before ``max_turns`` existed (its description lacks it) resumes at the default,
+    which is what that run did, and is refused with another value."""
+    trainer_at(tmp_path, max_steps=2).train()
+    summary_file = tmp_path / "checkpoint-2" / "trainer_state.json"
+    summary = json.loads(summary_file.read_text())
+    del summary["settings"]["config.max_turns"]
+    summary_file.write_text(json.dumps(summary))
+    resumed = trainer_at(tmp_path, Resume(tmp_path / "checkpoint-2", frozenset({"config.max_steps"})),
+                         max_steps=3)
+    assert resumed.state.step == 2
+    with pytest.raises(ValueError, match=r"config.max_turns was None, now 2"):
+        trainer_at(tmp_path, Resume(tmp_path / "checkpoint-2", frozenset({"config.max_steps"})), max_steps=3,
+                   max_turns=2)

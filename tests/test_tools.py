@@ -18,7 +18,7 @@ from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.rewards import CodeTests
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.sandbox import sandbox_available
-from grpo_engine.tools import HermesParser, ToolSampler, as_tool, call_tools, python_tool
+from grpo_engine.tools import CodeBlockParser, HermesParser, ToolSampler, as_tool, call_tools, python_tool
 from grpo_engine.types import Draws, MicroBatch, Prompt
 from grpo_engine.world import World
 from tests.tiny import char_tokenizer, tiny_llama
@@ -91,6 +91,30 @@ def test_hermes_parser_reads_calls_in_order_and_says_why_one_cannot_be_read():
     # an unclosed call at the end of a cut turn is still read
     cut = HermesParser().parse('<tool_call>{"name": "add", "arguments": {}}')
     assert cut == [{"name": "add", "arguments": {}}]
+
+
+def test_the_code_block_parser_reads_fenced_python_as_calls_to_the_python_tool():
+    parser = CodeBlockParser()
+    text = "First:\n```python\nprint(1)\n```\nthen ```py\nx = 2\nprint(x)\n``` and ```\nnot python\n```"
+    assert parser.parse(text) == [{"name": "python", "arguments": {"code": "print(1)\n"}},
+                                  {"name": "python", "arguments": {"code": "x = 2\nprint(x)\n"}}]
+    assert not parser.call_closed("```python\nprint(1)\n") and parser.call_closed("```python\nprint(1)\n```")
+    assert parser.parse("no code here") == []
+
+
+def test_a_parser_without_stop_text_ends_the_turn_when_it_says_a_call_closed(chat):
+    tok, model = chat
+
+    class ClosedAtB(EveryTurnCalls):
+        def call_closed(self, text):
+            return "b" in text
+
+    base = HFSampler(model, tok, max_completion_tokens=64, max_prompt_tokens=1024)
+    batch = ToolSampler(base, tools=[echo], parser=ClosedAtB(), max_turns=1).sample(
+        PROMPTS, group_size=4, temperature=1.0, draws=Draws(seed=4))
+    assert any("b" in text for text in batch.texts)
+    for text in batch.texts:
+        assert "b" not in text[:-1]  # nothing was generated after the first "b"
 
 
 def test_a_tools_schema_comes_from_its_hints_and_docstring_and_a_bare_function_is_refused():

@@ -225,7 +225,8 @@ class ToolSampler:
             ids[k, width - len(context):] = torch.tensor(context)
             mask[k, width - len(context):] = True
         stopped: dict[int, int] = {}
-        stop = self._stop(stopped) if self.stop_at_call and self.parser.stop_text else None
+        closes = self.parser.stop_text or callable(getattr(self.parser, "call_closed", None))
+        stop = self._stop(stopped) if self.stop_at_call and closes else None
         place = torch.tensor(running, device=device) + draws.first_prompt * group_size
         with seeded_rng((draws.seed + 1_000_003 * turn) % 2**62, device):
             out, logprobs = decode(self.base.model, ids.to(device), mask.to(device), repeats=1,
@@ -249,14 +250,17 @@ class ToolSampler:
             row.said.append({"role": "assistant", "content": row.last_text})
 
     def _stop(self, stopped: dict[int, int]) -> Callable[[Tensor, Tensor], Tensor]:
-        """The decode loop's stop test: the turn's last tokens hold the text that closes a tool call
-        (records each stopped row's length in ``stopped``)."""
+        """The decode loop's stop test: the turn's last tokens hold the text that closes a tool call, or
+        the parser's ``call_closed`` says the turn so far holds a whole call (records each stopped row's
+        length in ``stopped``)."""
         text = self.parser.stop_text
-        window = len(text) + 2  # every token of that text adds at least one character
+        window = len(text) + 2 if text else None  # every token of that text adds at least one character
+        closed = (lambda turn: text in turn) if text else self.parser.call_closed
 
         def stop(ids: Tensor, rows: Tensor) -> Tensor:
-            tails = self.tokenizer.batch_decode(ids[:, -window:].tolist(), skip_special_tokens=False)
-            hit = torch.tensor([text in tail for tail in tails], dtype=torch.bool)
+            turns = self.tokenizer.batch_decode((ids[:, -window:] if window else ids).tolist(),
+                                                skip_special_tokens=False)
+            hit = torch.tensor([closed(turn) for turn in turns], dtype=torch.bool)
             for r in rows.cpu()[hit].tolist():
                 stopped.setdefault(r, ids.shape[1])
             return hit
