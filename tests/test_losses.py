@@ -355,3 +355,37 @@ def test_truncated_importance_sampling_weight_hand_case():
     with pytest.raises(ValueError, match="tis_cap=1.5 needs batch.sampler_logprobs"):
         loss_fn(logp, MicroBatch(completion_mask=batch.completion_mask, advantages=batch.advantages),
                 num_valid_tokens=2, num_sequences=1)
+    assert out.metrics["mismatch/logprob_abs"].item() == pytest.approx(ln2)  # |Δ| = ln 2 on both tokens
+    assert out.metrics["mismatch/capped_fraction"].item() == pytest.approx(0.5)  # the first hit the cap
+
+
+@pytest.mark.parametrize("mode, weights", [
+    # token ratios 2 and 1/2 (first row), 3 and 1 (second row, its last token padding); cap 1.5
+    ("token_truncate", [[1.5, 0.5], [1.5, 0.0]]),
+    ("token_mask", [[0.0, 0.5], [0.0, 0.0]]),
+    # sequence ratios 2 * 1/2 = 1 and 3
+    ("sequence_truncate", [[1.0, 1.0], [1.5, 0.0]]),
+    ("sequence_mask", [[1.0, 1.0], [0.0, 0.0]]),
+])
+def test_truncated_importance_sampling_modes_weigh_tokens_as_trl_names_them(mode, weights):
+    """A = +1 on-policy, token aggregation over the 3 valid tokens: loss = -(sum of the weights) / 3 and
+    d loss / d logp = -weight / 3 on each valid token."""
+    logp = torch.tensor([[-1.0, -2.0], [-1.0, -0.5]], requires_grad=True)
+    ln2, ln3 = math.log(2.0), math.log(3.0)
+    batch = MicroBatch(completion_mask=torch.tensor([[True, True], [True, False]]),
+                       advantages=torch.tensor([1.0, 1.0]),
+                       sampler_logprobs=torch.tensor([[-1.0 - ln2, -2.0 + ln2], [-1.0 - ln3, 0.0]]))
+    out = ClippedSurrogate(aggregation="token", tis_cap=1.5, tis_mode=mode)(logp, batch, num_valid_tokens=3,
+                                                                           num_sequences=2)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-sum(map(sum, weights)) / 3)
+    torch.testing.assert_close(logp.grad, -torch.tensor(weights) / 3)
+    capped = {"token_truncate": 2, "token_mask": 2, "sequence_truncate": 1, "sequence_mask": 1}[mode]
+    assert out.metrics["mismatch/capped_fraction"].item() == pytest.approx(capped / 3)
+    with pytest.raises(ValueError, match="tis_mode='token' is not one of"):
+        ClippedSurrogate(tis_cap=1.5, tis_mode="token")
+
+
+def test_a_new_loss_field_at_its_default_keeps_the_repr_a_checkpoint_saved():
+    assert "tis_mode" not in repr(ClippedSurrogate(tis_cap=2.0))
+    assert "tis_mode='sequence_mask'" in repr(ClippedSurrogate(tis_cap=2.0, tis_mode="sequence_mask"))

@@ -18,7 +18,7 @@ compares it with TRL and verl.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
@@ -26,12 +26,22 @@ from torch import Tensor
 
 from grpo_engine.losses import _common as common
 from grpo_engine.losses.aggregation import AGGREGATIONS, Aggregation, aggregate
-from grpo_engine.losses.terms import EntropyBonus, HighEntropyTokens, KLPenalty, MaskTruncated, TruncatedIS
+from grpo_engine.losses.terms import (
+    TIS_MODES,
+    EntropyBonus,
+    HighEntropyTokens,
+    KLPenalty,
+    MaskTruncated,
+    TruncatedIS,
+)
 from grpo_engine.ops.tokens import valid_values
 from grpo_engine.protocols import LossTerm, RowFilter
 from grpo_engine.types import LossOutput, MicroBatch, Requirements, TokenLoss
 
 __all__ = ["ClippedSurrogate"]
+
+
+_ADDED_DEFAULTS = {"tis_mode": "token_truncate"}  # fields newer than 0.1, and their defaults
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class ClippedSurrogate:
         mask_truncated: drop completions without EOS (a :class:`MaskTruncated` term).
         entropy_coef: >= 0, the entropy bonus (an :class:`EntropyBonus` term); 0 is off.
         tis_cap: cap of the truncated importance weight π_old / π_sampler (a :class:`TruncatedIS`).
+        tis_mode: ``"token_truncate"`` (default), ``"token_mask"``, ``"sequence_truncate"`` or
+            ``"sequence_mask"`` (TRL's names; see :class:`TruncatedIS`).
         top_entropy_quantile: ρ in [0, 1]: the policy term on the top-ρ entropy tokens only
             (a :class:`HighEntropyTokens` term); None is off.
         terms: further ``RowFilter`` and ``LossTerm`` objects (``grpo_engine.protocols``), yours
@@ -75,6 +87,7 @@ class ClippedSurrogate:
     mask_truncated: bool = False
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    tis_mode: str = "token_truncate"
     top_entropy_quantile: float | None = None
     terms: tuple[Any, ...] = field(default_factory=tuple)
 
@@ -96,10 +109,12 @@ class ClippedSurrogate:
             problems.append(f"delta={self.delta!r} must be > 1 + clip_eps_high = {1 + self.clip_eps_high}; "
                             "pass a larger cap (INTELLECT-2 uses 4) or None")
         problems.extend(common.check_kl_estimator(self.kl_estimator))
+        if self.tis_mode not in TIS_MODES:
+            problems.append(f"tis_mode={self.tis_mode!r} is not one of {TIS_MODES}; use 'token_truncate'")
         made: list[Any] = []
         try:
             made += [MaskTruncated()] if self.mask_truncated else []
-            made += [TruncatedIS(self.tis_cap)] if self.tis_cap is not None else []
+            made += [TruncatedIS(self.tis_cap, self.tis_mode)] if self.tis_cap is not None else []
             made += ([HighEntropyTokens(self.top_entropy_quantile)]
                      if self.top_entropy_quantile is not None else [])
             made += [KLPenalty(self.kl_coef, self.kl_estimator)] if self.kl_coef > 0 and not problems else []
@@ -115,6 +130,13 @@ class ClippedSurrogate:
         made += list(self.terms)
         object.__setattr__(self, "_filters", tuple(t for t in made if isinstance(t, RowFilter)))
         object.__setattr__(self, "_terms", tuple(t for t in made if not isinstance(t, RowFilter)))
+
+    def __repr__(self) -> str:
+        """The dataclass repr, without the fields added after 0.1 while at their default (so a checkpoint
+        saved before them still describes the same loss)."""
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr
+                 and not (f.name in _ADDED_DEFAULTS and getattr(self, f.name) == _ADDED_DEFAULTS[f.name])]
+        return f"{type(self).__name__}({', '.join(shown)})"
 
     @property
     def requires(self) -> Requirements:

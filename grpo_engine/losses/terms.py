@@ -53,16 +53,34 @@ class MaskTruncated:
         return ~is_truncated.to(torch.bool)
 
 
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
 @dataclass(frozen=True)
 class TruncatedIS:
-    """Surrogate weight: each token's policy term times the detached min(π_old / π_sampler, ``cap``),
-    for samples drawn by another engine or precision than the trainer's (metric ``tis_weight``)."""
+    """Surrogate weight against the sampler's log-probs, for samples drawn by another engine or precision
+    than the trainer's (vLLM): each token's policy term times a detached importance weight w built from
+    r = π_old / π_sampler (TRL's ``vllm_importance_sampling_mode`` names):
+
+    - ``"token_truncate"`` (default): w_t = min(r_t, cap);
+    - ``"token_mask"``: w_t = r_t where r_t <= cap, else 0 (the token leaves the policy term);
+    - ``"sequence_truncate"``: every token of a completion gets min(Π_t r_t, cap), the ratio of the
+      whole sequence (its log the sum over the completion's tokens);
+    - ``"sequence_mask"``: Π_t r_t where it is <= cap, else 0 for the whole completion.
+
+    Metrics (token means over the step): ``tis_weight`` (w), ``mismatch/logprob_abs`` (|log π_old -
+    log π_sampler|, how far the two engines disagree) and ``mismatch/capped_fraction`` (tokens whose
+    ratio, or whose sequence's ratio, exceeded the cap: truncated or masked).
+    """
 
     cap: float
+    mode: str = "token_truncate"
 
     def __post_init__(self) -> None:
         if not self.cap > 0:
             raise ValueError(f"tis_cap={self.cap!r} must be > 0; use e.g. 2.0, or None to turn it off")
+        if self.mode not in TIS_MODES:
+            raise ValueError(f"tis_mode={self.mode!r} is not one of {TIS_MODES}; use 'token_truncate'")
 
     def __str__(self) -> str:  # how errors name it: the setting that made it
         return f"tis_cap={self.cap}"
@@ -73,9 +91,18 @@ class TruncatedIS:
 
     def __call__(self, tokens: TokenLoss, batch: MicroBatch) -> TokenLoss:
         sampler = masked(batch.sampler_logprobs.detach(), tokens.mask, tokens.logprobs.dtype)
-        weight = safe_exp(tokens.old_logprobs - sampler).clamp(max=self.cap)
-        share = token_share(weight, tokens.mask, tokens.num_valid_tokens)
-        return tokens.replace(policy=tokens.policy * weight, metrics={"tis_weight": share})
+        log_ratio = torch.where(tokens.mask, tokens.old_logprobs - sampler, torch.zeros_like(sampler))
+        if self.mode.startswith("sequence"):  # one ratio per completion, on each of its tokens
+            log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)
+        ratio = safe_exp(log_ratio)
+        over = ratio > self.cap
+        weight = ratio.clamp(max=self.cap) if self.mode.endswith("truncate") else torch.where(
+            over, torch.zeros_like(ratio), ratio)
+        n = tokens.num_valid_tokens
+        metrics = {"tis_weight": token_share(weight, tokens.mask, n),
+                   "mismatch/logprob_abs": token_share((tokens.old_logprobs - sampler).abs(), tokens.mask, n),
+                   "mismatch/capped_fraction": token_share(over.to(weight.dtype), tokens.mask, n)}
+        return tokens.replace(policy=tokens.policy * weight, metrics=metrics)
 
 
 @dataclass(frozen=True)

