@@ -2,11 +2,13 @@
 on SmolLM2-135M-Instruct with a LoRA adapter (r=16, as the demo trains it), at the demo's shapes.
 
     .venv-vllm/bin/python benchmarks/vllm_generation.py [--tokens 16 128] [--repetitions 3]
+        [--lora-sync merged adapter] [--adapter-max-tokens 16]
 
 Each repetition samples the demo's step (8 arithmetic prompts x 4 completions) once with each sampler,
-alternating; the figure is generated tokens per second of the whole ``sample()`` call (vLLM's includes
-its weight sync when the adapter changed: here it changes before every call, as after an optimizer
-step). Run it alone: the two CPU cores are the measurement. Needs the vLLM venv (``make vllm-venv``).
+in turn; the figure is generated tokens per second of the whole ``sample()`` call (vLLM's includes its
+weight sync: the adapter changes before every call, as after an optimizer step). vLLM runs with
+both LoRA syncs: ``adapter`` (its LoRA kernels) and ``merged`` (the adapter merged into the weights).
+Run it alone: the two CPU cores are the measurement. Needs the vLLM venv (``make vllm-venv``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 128], help="max completion tokens")
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--lora-sync", nargs="+", default=["merged", "adapter"], help="VLLMSampler modes")
+    parser.add_argument("--adapter-max-tokens", type=int, default=16,
+                        help="run lora_sync='adapter' (slow on the CPU) only up to this many tokens")
     parser.add_argument("--out", help="also write the JSON report here")
     args = parser.parse_args(argv)
     from peft import LoraConfig, get_peft_model
@@ -48,12 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     report = {"shape": f"{demo.prompts_per_step} prompts x {demo.group_size}",
               "threads": torch.get_num_threads()}
     for tokens in args.tokens:
-        ours = HFSampler(model, tokenizer, template=template, max_completion_tokens=tokens, merge_lora=True)
-        theirs = VLLMSampler(model, tokenizer, engine_model=folder, template=template,
-                             max_completion_tokens=tokens, engine_kwargs={"enforce_eager": True})
-        rates = {"ours": [], "vllm": []}
+        samplers = {"ours": HFSampler(model, tokenizer, template=template, max_completion_tokens=tokens,
+                                      merge_lora=True)}
+        for sync in args.lora_sync if tokens <= args.adapter_max_tokens else ["merged"]:
+            samplers[f"vllm_{sync}"] = VLLMSampler(model, tokenizer, engine_model=folder, template=template,
+                                                   max_completion_tokens=tokens, lora_sync=sync,
+                                                   engine_kwargs={"enforce_eager": True})
+        rates: dict[str, list[float]] = {name: [] for name in samplers}
         for rep in range(args.repetitions + 1):  # the first is a warm-up
-            for name, sampler in (("ours", ours), ("vllm", theirs)):
+            for name, sampler in samplers.items():
                 with torch.no_grad():
                     for p in model.parameters():  # an optimizer step's change: vLLM syncs the adapter
                         if p.requires_grad:
@@ -64,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = time.perf_counter() - start
                 if rep:
                     rates[name].append(int(batch.completion_mask.sum()) / seconds)
-        theirs.close()
+        for sampler in samplers.values():
+            if isinstance(sampler, VLLMSampler):
+                sampler.close()
         summary = {name: round(sum(r) / len(r), 1) for name, r in rates.items()}
-        report[f"tokens_{tokens}"] = {"tokens_per_s": summary, "vllm_over_ours": round(summary["vllm"] /
-                                                                                        summary["ours"], 2)}
+        ratios = {k: round(v / summary["ours"], 2) for k, v in summary.items()}
+        report[f"tokens_{tokens}"] = {"tokens_per_s": summary, "over_ours": ratios}
         print(json.dumps({tokens: report[f"tokens_{tokens}"]}), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -47,8 +47,7 @@ def full(folder):
                               engine_kwargs={"enforce_eager": True})
 
 
-@pytest.fixture(scope="module")
-def adapted(folder):
+def with_adapter(folder, lora_sync):
     from peft import LoraConfig, get_peft_model
 
     model, tokenizer = load_model(str(folder))
@@ -58,7 +57,12 @@ def adapted(folder):
         if "lora_B" in name:
             param.data.normal_(0, 0.02)
     return model, VLLMSampler(model, tokenizer, engine_model=folder, max_completion_tokens=24,
-                              engine_kwargs={"enforce_eager": True})
+                              lora_sync=lora_sync, engine_kwargs={"enforce_eager": True})
+
+
+@pytest.fixture(scope="module", params=["adapter", "merged"])
+def adapted(folder, request):
+    return with_adapter(folder, request.param)
 
 
 def test_the_engines_logprobs_equal_the_trainers_without_an_adapter(full):
@@ -95,7 +99,7 @@ def test_the_engines_logprobs_equal_the_trainers_with_an_adapter_and_after_a_ste
     assert_match(model, first)
     assert sampler.last_sync_seconds > 0 and first.metrics["time/sync_s"] > 0
     # a training step: the adapter moves in place, so the next sample syncs it
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     logprobs = completion_logprobs(model, first.prompt_ids, first.prompt_mask, first.completion_ids,
                                    first.completion_mask)
     (-logprobs.sum()).backward()
