@@ -302,6 +302,14 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", required=True, help="path of the JSON report (written atomically)")
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a share in [0, 1) of the accelerator's memory; "
+                                         "e.g. 0.3")
+    return value
+
+
 def _plan(args: argparse.Namespace) -> int:
     from grpo_engine.memory.budget import plan_for_budget
     from grpo_engine.memory.estimate import Workload, estimate_memory
@@ -317,12 +325,17 @@ def _plan(args: argparse.Namespace) -> int:
               f"{f' per rank ({args.ranks} ranks, sharding {args.sharding})' if args.ranks > 1 else ''}\n")
         print("Without memory savings:")
         print(estimate_memory(args.model, base, workload, ranks=args.ranks).table())
-        choice = plan_for_budget(args.model, workload, args.budget_gib, base=base, margin=args.margin,
+        budget = args.budget_gib * (1 - args.vllm_memory_share)  # a colocated vLLM engine takes its share
+        if args.vllm_memory_share:
+            print(f"\nvLLM engine: {args.vllm_memory_share:g} x {args.budget_gib:g} GiB = "
+                  f"{args.budget_gib - budget:.2f} GiB (VLLMSampler(gpu_memory_utilization="
+                  f"{args.vllm_memory_share:g})); training plans for the other {budget:.2f} GiB")
+        choice = plan_for_budget(args.model, workload, budget, base=base, margin=args.margin,
                                  ranks=args.ranks)
     except ValueError as exc:  # ConfigError included
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"\nChosen for {args.budget_gib:g} GiB: {choice.reason}\n")
+    print(f"\nChosen for {budget:g} GiB: {choice.reason}\n")
     print(choice.estimate.table())
     print("\nmemory:  # paste into the run file")
     print(textwrap.indent(choice.plan.to_yaml(), "  "), end="")
@@ -356,6 +369,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="largest micro-batch to consider (default B*G)")
     p.add_argument("--margin", type=float, default=0.15,
                    help="safety margin on the prediction (default %(default)s)")
+    p.add_argument("--vllm-memory-share", type=_share, default=0.0,
+                   help="the share of the accelerator a colocated vLLM engine takes "
+                   "(VLLMSampler(gpu_memory_utilization=...)); the plan fits the rest (default %(default)s)")
 
 
 def _export(args: argparse.Namespace) -> int:

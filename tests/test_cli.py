@@ -80,6 +80,17 @@ def test_plan_prints_the_breakdown_and_a_plan_that_fits(capsys):
     assert estimate_memory("qwen2.5-1.5b", plan, workload).peak_gib * 1.15 <= 8
 
 
+def test_plan_leaves_a_colocated_vllm_engine_its_share(capsys):
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--budget-gib", "16", "--vllm-memory-share", "0.5"]) == 0
+    shared = capsys.readouterr().out
+    assert "vLLM engine: 0.5 x 16 GiB = 8.00 GiB" in shared and "Chosen for 8 GiB" in shared
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--budget-gib", "8"]) == 0
+    alone = capsys.readouterr().out
+    assert shared.split("Chosen for")[1] == alone.split("Chosen for")[1]  # the same plan as for 8 GiB
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "qwen2.5-1.5b", "--budget-gib", "8", "--vllm-memory-share", "1"])
+
+
 def test_plan_says_when_nothing_fits(capsys):
     assert main(["plan", "--model", "qwen2.5-7b", "--budget-gib", "2"]) == 2
     assert "no plan fits 2 GiB" in capsys.readouterr().err

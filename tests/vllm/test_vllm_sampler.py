@@ -113,3 +113,31 @@ def test_the_engines_logprobs_equal_the_trainers_with_an_adapter_and_after_a_ste
     unchanged = sampler.sample(PROMPTS, group_size=4, temperature=1.0, draws=Draws(seed=3))
     assert sampler.last_sync_seconds == 0.0  # nothing changed: no sync
     assert torch.equal(unchanged.completion_ids, again.completion_ids)
+
+
+def test_a_run_with_vllm_resumes_from_its_checkpoint_as_it_ran(folder, tmp_path):
+    from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
+
+    def short(completions, **columns):  # varies within a group: every step trains
+        return [1.0 / (1 + len(c)) for c in completions]
+
+    prompts = [Prompt(f"What is {a} + {b}?", str(a + b)) for a in range(2, 9) for b in range(3, 7)]
+
+    def run(resume=None):
+        model, tokenizer = load_model(str(folder))
+        sampler = VLLMSampler(model, tokenizer, engine_model=folder, max_completion_tokens=8,
+                              lora_sync="merged", engine_kwargs={"enforce_eager": True})
+        config = GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=2,
+                            learning_rate=1e-3, save_every_steps=1, output_dir=str(tmp_path),
+                            progress_bar=False)
+        trainer = GRPOTrainer(model, [short], prompts, config, MemoryPlan(lora=LoRA(r=4)),
+                              tokenizer=tokenizer, sampler=sampler, resume_from=resume)
+        history = trainer.train()
+        sampler.close()
+        return history
+
+    whole = run()
+    resumed = run(resume=str(tmp_path / "checkpoint-1"))
+    assert len(resumed) == 1 and resumed[0]["time/sync_s"] > 0  # the restored adapter reached the engine
+    for key in ("loss", "reward/mean", "completion_length/mean", "grad_norm"):
+        assert resumed[0][key] == whole[1][key], key
