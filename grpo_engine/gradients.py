@@ -181,6 +181,9 @@ class PolicyGradient:
                 shown = mask & counted.to(mask.device)[:, None]
                 metrics["entropy/token_mean"] = token_entropy_mean(entropy.detach(), shown, entropy_tokens)
             micro = self._micro_batch(batch, idx, mask, advantages, old, ref, entropy)
+            if batch.sampler_logprobs is not None:  # how far the sampler's log-probs are from the trainer's
+                metrics["mismatch/logprob_abs"] = _mismatch(logprobs, micro, batch.sampler_logprobs[idx],
+                                                            mask, num_tokens)
             out = self.loss(logprobs, micro, num_valid_tokens=num_tokens, num_sequences=num_sequences)
         out.loss.backward()
         # summed on the device: one host sync per step, not per micro-batch
@@ -225,3 +228,11 @@ def _scored(batch: RolloutBatch, idx: Tensor, mask: Tensor) -> Tensor:
     if batch.env_mask is None:
         return mask
     return mask & ~batch.env_mask[idx, :mask.shape[1]].to(mask.device)
+
+
+def _mismatch(logprobs: Tensor, micro: MicroBatch, sampler: Tensor, mask: Tensor, num_tokens: int) -> Tensor:
+    """This micro-batch's share of the step's mean |log π_old - log π_sampler| over the trained tokens
+    (π_old: the recorded old log-probs, or the training pass's own on-policy)."""
+    old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+    gap = (old.float() - sampler[:, :mask.shape[1]].to(old.device).float()).abs()
+    return torch.where(mask, gap, torch.zeros_like(gap)).sum() / max(num_tokens, 1)

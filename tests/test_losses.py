@@ -355,7 +355,6 @@ def test_truncated_importance_sampling_weight_hand_case():
     with pytest.raises(ValueError, match="tis_cap=1.5 needs batch.sampler_logprobs"):
         loss_fn(logp, MicroBatch(completion_mask=batch.completion_mask, advantages=batch.advantages),
                 num_valid_tokens=2, num_sequences=1)
-    assert out.metrics["mismatch/logprob_abs"].item() == pytest.approx(ln2)  # |Δ| = ln 2 on both tokens
     assert out.metrics["mismatch/capped_fraction"].item() == pytest.approx(0.5)  # the first hit the cap
 
 

@@ -4,6 +4,7 @@ ranks, rewards that read the conversation and the environment, the trainer, and 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -234,9 +235,15 @@ def test_no_gradient_reaches_an_environment_token(chat):
     model.zero_grad(set_to_none=True)
     gradients = PolicyGradient(model, loss, MemoryPlan(micro_batch_size=2), DataParallel(World()),
                                log_entropy=False)
-    gradients(batch, advantages, temperature=1.0)
+    found = gradients(batch, advantages, temperature=1.0)
     for got, want in zip((p.grad for p in model.parameters()), expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # the sampler's log-probs against the trainer's, over the trained tokens: 0 here, 0.5 when shifted
+    assert found.metrics["mismatch/logprob_abs"] < 1e-6
+    shifted = dataclasses.replace(batch, sampler_logprobs=batch.sampler_logprobs + 0.5 * batch.loss_mask)
+    model.zero_grad(set_to_none=True)
+    found = gradients(shifted, advantages, temperature=1.0)
+    assert found.metrics["mismatch/logprob_abs"] == pytest.approx(0.5, abs=1e-5)
 
 
 def test_two_ranks_sample_what_one_process_samples(chat):

@@ -68,9 +68,9 @@ class TruncatedIS:
       whole sequence (its log the sum over the completion's tokens);
     - ``"sequence_mask"``: Π_t r_t where it is <= cap, else 0 for the whole completion.
 
-    Metrics (token means over the step): ``tis_weight`` (w), ``mismatch/logprob_abs`` (|log π_old -
-    log π_sampler|, how far the two engines disagree) and ``mismatch/capped_fraction`` (tokens whose
-    ratio, or whose sequence's ratio, exceeded the cap: truncated or masked).
+    Metrics (token means over the step): ``tis_weight`` (w) and ``mismatch/capped_fraction`` (tokens whose
+    ratio, or whose sequence's ratio, exceeded the cap: truncated or masked). The trainer logs how far
+    the two engines disagree, ``mismatch/logprob_abs``, whenever the sampler reports its log-probs.
     """
 
     cap: float
@@ -100,7 +100,6 @@ class TruncatedIS:
             over, torch.zeros_like(ratio), ratio)
         n = tokens.num_valid_tokens
         metrics = {"tis_weight": token_share(weight, tokens.mask, n),
-                   "mismatch/logprob_abs": token_share((tokens.old_logprobs - sampler).abs(), tokens.mask, n),
                    "mismatch/capped_fraction": token_share(over.to(weight.dtype), tokens.mask, n)}
         return tokens.replace(policy=tokens.policy * weight, metrics=metrics)
 
