@@ -48,7 +48,8 @@ $PY -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --ta
 if ! PYTHONPATH=$SITE $PY -m pip check > "$BASE/pip-check.txt" 2>&1; then
   cat "$BASE/pip-check.txt"; say "FAILED: the carried wheels and the image's packages conflict"; exit 1
 fi
-unzip -l "$WHEELS"/bitsandbytes-*.whl | grep -q 'libbitsandbytes_cuda130' \
+# grep reads the whole listing (grep -q would stop early and, under pipefail, unzip's SIGPIPE would fail it)
+unzip -l "$WHEELS"/bitsandbytes-*.whl | grep 'libbitsandbytes_cuda130' > /dev/null \
   || { say "FAILED: the bitsandbytes wheel has no CUDA 13 library"; exit 1; }
 rm -rf "$SITE"
 say "run.sh --cpu-smoke with its install step"
