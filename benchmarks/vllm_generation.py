@@ -17,8 +17,9 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
-import _harness  # noqa: F401 - puts the repository on sys.path
+import _harness  # puts the repository on sys.path
 import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -80,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         report[f"tokens_{tokens}"] = {"tokens_per_s": summary, "over_ours": ratios}
         print(json.dumps({tokens: report[f"tokens_{tokens}"]}), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        _harness.write_report(Path(args.out), report)
     return 0
 
 

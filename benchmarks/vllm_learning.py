@@ -17,8 +17,9 @@ import json
 import os
 import statistics
 import tempfile
+from pathlib import Path
 
-import _harness  # noqa: F401 - puts the repository on sys.path
+import _harness  # puts the repository on sys.path
 import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -79,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
               "capped_fraction_max": max((h["mismatch/capped_fraction"] for h in trained), default=None)}
     print(json.dumps(report, indent=1), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        _harness.write_report(Path(args.out), report)
     return 0
 
 

@@ -186,8 +186,12 @@ class HFSampler:
 
     def prompt_tokens(self, prompt: Prompt) -> list[int]:
         """The token ids of the rendered prompt, whole (before any truncation)."""
-        text = self.template.render(prompt, self.tokenizer)
-        bos = self.tokenizer.bos_token  # a chat template that already wrote the BOS token gets no second one
+        return self.encode_text(self.template.render(prompt, self.tokenizer))
+
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of a rendered prompt ``text``: the tokenizer's special tokens added, except a second BOS
+        token where the chat template already wrote one."""
+        bos = self.tokenizer.bos_token
         return self.tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
 
     def truncated(self, prompt: Prompt, ids: list[int]) -> list[int]:

@@ -227,10 +227,12 @@ def _save_adapter(model: nn.Module, folder: Path) -> None:
     """The LoRA adapter of ``model`` in peft's format (``adapter_config.json`` and the safetensors weights):
     a peft model saves itself; a model peft added LoRA to in place (the trainer's) is saved from its
     adapter weights, under the names a peft model gives them."""
-    if hasattr(model, "save_pretrained") and hasattr(model, "base_model") and hasattr(model, "peft_type"):
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+
+    if isinstance(model, PeftModel):
         model.save_pretrained(str(folder))
         return
-    from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
@@ -243,13 +245,14 @@ def _save_adapter(model: nn.Module, folder: Path) -> None:
 def _merged_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The policy's weights under the checkpoint's names with each LoRA delta merged into a copy of its
     base weight (W + (alpha / r) B A); float32 plain linear bases only (``check_mergeable``'s rules)."""
+    from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
     from grpo_engine.sampling.merge import check_mergeable
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if hasattr(model, "get_base_model"):
+    if isinstance(model, PeftModel):
         check_mergeable(model)
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
     merged: dict[str, torch.Tensor] = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):

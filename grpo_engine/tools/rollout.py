@@ -151,13 +151,9 @@ class ToolSampler:
                 messages.insert(0, {"role": "system", "content": tools})
         return messages
 
-    def _encode(self, text: str) -> list[int]:
-        bos = self.tokenizer.bos_token  # a template that already wrote the BOS token gets no second one
-        return self.tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
-
     def prompt_tokens(self, prompt: Prompt) -> list[int]:
         """The token ids of the rendered prompt (tools included), whole."""
-        return self._encode(self._render(self.messages(prompt)))
+        return self.base.encode_text(self._render(self.messages(prompt)))
 
     def env_tokens(self, messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]], *,
                    after_eos: bool) -> list[int]:
@@ -203,7 +199,7 @@ class ToolSampler:
         observation = reset_environment(environment, prompt) if environment is not None else None
         messages = self.messages(prompt, observation)
         tools = {t.name: t for t in self.tools + (environment_tools(environment) if environment else [])}
-        ids = self._encode(self._render(messages))
+        ids = self.base.encode_text(self._render(messages))
         limit = self.base.max_prompt_tokens
         if len(ids) > limit:  # keep the head (system, tools) and the end (question, generation prompt)
             warnings.warn(f"a prompt of {len(ids)} tokens (tools included) is longer than max_prompt_tokens="
