@@ -331,6 +331,19 @@ def test_a_rollout_ends_at_its_turn_limit_and_its_token_budget(chat):
     assert short.is_truncated.all()  # no room left for an answer after the tools' messages
 
 
+def test_a_prompt_over_the_limit_loses_its_middle_and_is_counted(chat):
+    tok, model = chat
+    sampler = ToolSampler(HFSampler(model, tok, max_completion_tokens=16, max_prompt_tokens=40), tools=[echo],
+                          parser=EveryTurnCalls(), max_turns=1)
+    whole = len(sampler.prompt_tokens(PROMPTS[0]))
+    assert whole > 40
+    with pytest.warns(UserWarning, match=f"a prompt of {whole} tokens"):
+        batch = sampler.sample(PROMPTS, group_size=2, temperature=1.0, draws=Draws(seed=1))
+    assert batch.prompt_mask.sum(1).tolist() == [40] * 4 and batch.metrics["prompts/truncated"] == 2.0
+    ids = batch.prompt_ids[0][batch.prompt_mask[0]].tolist()
+    assert ids[-20:] == sampler.prompt_tokens(PROMPTS[0])[-20:]  # the question's end, the generation prompt
+
+
 def test_stop_at_call_ends_the_turn_at_the_closing_text(chat):
     tok, model = chat
 

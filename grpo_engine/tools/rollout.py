@@ -61,6 +61,7 @@ class _Row:
     truncated: bool = False
     ended_with_eos: bool = False  # the last turn ended with the model's EOS
     last_text: str = ""
+    cut: bool = False  # the prompt was longer than max_prompt_tokens and lost its middle
 
 
 class ToolSampler:
@@ -201,11 +202,12 @@ class ToolSampler:
         tools = {t.name: t for t in self.tools + (environment_tools(environment) if environment else [])}
         ids = self.base.encode_text(self._render(messages))
         limit = self.base.max_prompt_tokens
-        if len(ids) > limit:  # keep the head (system, tools) and the end (question, generation prompt)
+        cut = len(ids) > limit
+        if cut:  # keep the head (system, tools) and the end (question, generation prompt)
             warnings.warn(f"a prompt of {len(ids)} tokens (tools included) is longer than max_prompt_tokens="
                           f"{limit}: its middle was cut; raise max_prompt_tokens", stacklevel=4)
             ids = ids[:limit - limit // 2] + ids[len(ids) - limit // 2:]
-        return _Row(ids, messages, tools, environment)
+        return _Row(ids, messages, tools, environment, cut=cut)
 
     def _generate(self, rows: list[_Row], running: list[int], temperature: float, draws: Draws, turn: int,
                   group_size: int, num_prompts: int) -> None:
@@ -322,7 +324,8 @@ class ToolSampler:
             is_truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool, device=device),
             texts=tuple(r.last_text for r in rows),
             sampler_logprobs=logprobs.to(device) if self.base.return_logprobs else None,
-            metrics={"prompts/truncated": 0.0, **counts}, env_mask=env_mask.to(device), episodes=episodes)
+            metrics={"prompts/truncated": float(sum(r.cut for r in rows[::group_size])), **counts},
+            env_mask=env_mask.to(device), episodes=episodes)
 
 
 def with_tools(sampler: Any, tools: Sequence[Callable[..., Any] | Tool],
