@@ -7,6 +7,7 @@ step calls, and when, is the parallelism strategy's business (:mod:`grpo_engine.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,8 +27,8 @@ class World:
     """The processes of a run: this one's ``rank`` among ``size``, and the device it trains on.
 
     ``World.current()`` reads what ``torchrun`` set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and
-    starts the process group (NCCL on GPUs, gloo on the CPU) unless the script already did; without
-    ``torchrun`` it is one process and every collective is a no-op.
+    starts the process group (NCCL on GPUs, gloo on the CPU) unless the script already did, and ends it at
+    exit; without ``torchrun`` it is one process and every collective is a no-op.
 
     Example:
         >>> world = World()
@@ -56,6 +57,7 @@ class World:
         if torch.cuda.is_available():
             torch.cuda.set_device(local)  # "cuda" means this rank's GPU from here on
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        atexit.register(_destroy_process_group)  # a group left to the interpreter's teardown can abort it
         return cls(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=local)
 
     @property
@@ -197,6 +199,13 @@ class World:
         """Waits for every rank."""
         if self.size > 1:  # NCCL: on this rank's GPU (not whichever it would guess)
             dist.barrier(**({"device_ids": [self.local_rank]} if dist.get_backend() == "nccl" else {}))
+
+
+def _destroy_process_group() -> None:
+    """Ends the process group this module started, at exit: gloo's threads torn down with the interpreter
+    instead can end a finished rank with ``std::terminate`` (SIGABRT; pytorch/pytorch#190489)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_sharded(tensor: Tensor) -> bool:
