@@ -324,14 +324,16 @@ def _plan(args: argparse.Namespace) -> int:
               f"{workload.prompt_tokens} + {workload.completion_tokens} tokens{', KL' if workload.kl else ''}"
               f"{f' per rank ({args.ranks} ranks, sharding {args.sharding})' if args.ranks > 1 else ''}\n")
         print("Without memory savings:")
-        print(estimate_memory(args.model, base, workload, ranks=args.ranks).table())
+        sampler = "vllm" if args.vllm_memory_share else "ours"  # the engine's share holds its KV cache
+        print(estimate_memory(args.model, base, workload, ranks=args.ranks, sampler=sampler).table())
         budget = args.budget_gib * (1 - args.vllm_memory_share)  # a colocated vLLM engine takes its share
         if args.vllm_memory_share:
             print(f"\nvLLM engine: {args.vllm_memory_share:g} x {args.budget_gib:g} GiB = "
                   f"{args.budget_gib - budget:.2f} GiB (VLLMSampler(gpu_memory_utilization="
-                  f"{args.vllm_memory_share:g})); training plans for the other {budget:.2f} GiB")
+                  f"{args.vllm_memory_share:g})); training plans for the other {budget:.2f} GiB, "
+                  "without our sampler's KV cache")
         choice = plan_for_budget(args.model, workload, budget, base=base, margin=args.margin,
-                                 ranks=args.ranks)
+                                 ranks=args.ranks, sampler=sampler)
     except ValueError as exc:  # ConfigError included
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ import pytest
 from grpo_engine.cli import EXAMPLE, main
 from grpo_engine.config import GRPOConfig
 from grpo_engine.memory import MemoryPlan
+from grpo_engine.memory.budget import plan_for_budget
+from grpo_engine.memory.estimate import Workload, estimate_memory
 from grpo_engine.spec import RunSpec
 from tests.tiny import char_tokenizer, tiny_llama
 
@@ -69,8 +71,6 @@ imports: [tests]
 
 
 def test_plan_prints_the_breakdown_and_a_plan_that_fits(capsys):
-    from grpo_engine.memory.estimate import Workload, estimate_memory
-
     assert main(["plan", "--model", "qwen2.5-1.5b", "--budget-gib", "8", "--completion-tokens", "1024"]) == 0
     out = capsys.readouterr().out
     assert "Without memory savings:" in out and "<- peak" in out and "Chosen for 8 GiB" in out
@@ -81,12 +81,18 @@ def test_plan_prints_the_breakdown_and_a_plan_that_fits(capsys):
 
 
 def test_plan_leaves_a_colocated_vllm_engine_its_share(capsys):
+    """The engine's share is taken off the budget, and the rest is planned without our sampler's KV cache
+    (the engine's share holds its own): the plan chosen is the one that fits 8 GiB with sampler="vllm"."""
     assert main(["plan", "--model", "qwen2.5-1.5b", "--budget-gib", "16", "--vllm-memory-share", "0.5"]) == 0
     shared = capsys.readouterr().out
     assert "vLLM engine: 0.5 x 16 GiB = 8.00 GiB" in shared and "Chosen for 8 GiB" in shared
+    plan = MemoryPlan.from_yaml(shared.split("memory:  # paste into the run file\n")[1]
+                                .replace("\n  ", "\n")[2:])
+    workload = Workload(prompts_per_step=4, group_size=8, prompt_tokens=256, completion_tokens=1024)
+    choice = plan_for_budget("qwen2.5-1.5b", workload, 8, sampler="vllm")
+    assert plan == choice.plan and choice.estimate.parts["kv_cache"] == 0
     assert main(["plan", "--model", "qwen2.5-1.5b", "--budget-gib", "8"]) == 0
-    alone = capsys.readouterr().out
-    assert shared.split("Chosen for")[1] == alone.split("Chosen for")[1]  # the same plan as for 8 GiB
+    assert "kv_cache                        1.094" in capsys.readouterr().out  # counted with our sampler
     with pytest.raises(SystemExit):
         main(["plan", "--model", "qwen2.5-1.5b", "--budget-gib", "8", "--vllm-memory-share", "1"])
 

@@ -86,6 +86,21 @@ def test_kv_cache_matches_the_cache_of_a_forward():
     assert estimate_memory(LLAMA, MemoryPlan(), workload).parts["kv_cache"] == actual
 
 
+def test_a_vllm_sampler_adds_nothing_to_the_trainers_sampling_phase():
+    """With sampler="vllm" the engine's own share holds its KV cache: the trainer holds only what is
+    resident while sampling, and the training and optimizer phases are unchanged."""
+    plan = MemoryPlan(lora=LoRA(r=8))
+    workload = Workload(prompts_per_step=4, group_size=8, prompt_tokens=64, completion_tokens=2048)
+    ours, engine = (estimate_memory(LLAMA, plan, workload, sampler=s) for s in ("ours", "vllm"))
+    resident = sum(ours.parts[k] for k in ("weights", "adapters", "optimizer_state", "reference_copy"))
+    assert ours.phases["sampling"] > resident + ours.parts["kv_cache"] > resident
+    assert engine.phases["sampling"] == resident and engine.parts["kv_cache"] == 0
+    assert engine.phases["training"] == ours.phases["training"]
+    assert engine.phases["optimizer"] == ours.phases["optimizer"]
+    with pytest.raises(ValueError, match="sampler='sglang'.*'ours'.*'vllm'"):
+        estimate_memory(LLAMA, plan, workload, sampler="sglang")
+
+
 def saved_activation_bytes(model, workload: Workload, plan: MemoryPlan) -> int:
     """Bytes of the tensors autograd saves in one micro-batch's forward (parameters excluded)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

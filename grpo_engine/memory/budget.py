@@ -45,7 +45,7 @@ def _summary(plan: MemoryPlan) -> str:
 
 
 def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: MemoryPlan | None = None,
-                    margin: float = 0.15, ranks: int = 1) -> PlanChoice:
+                    margin: float = 0.15, ranks: int = 1, sampler: str = "ours") -> PlanChoice:
     """The plan with the least slowdown whose predicted peak, plus ``margin``, fits ``budget_gib``.
 
     Candidates start from ``base`` (default: LoRA r=16 in bfloat16, prompt sharing on) and add, in
@@ -55,7 +55,8 @@ def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: 
     of its parts' estimated costs; the cheapest that fits wins.
 
     ``ranks``: torchrun processes, for a ``base`` with ``sharding="fsdp"`` (which takes no 4-bit base nor
-    8-bit states); ``workload`` is then one rank's.
+    8-bit states); ``workload`` is then one rank's. ``sampler="vllm"``: sampling runs in a colocated vLLM
+    engine, whose share is not in ``budget_gib`` (``estimate_memory``'s ``sampler``).
 
     Raises:
         ValueError: when no candidate fits, naming the smallest peak found.
@@ -89,7 +90,7 @@ def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: 
     rejected: list[tuple[str, float]] = []
     limit = budget_gib / (1 + margin)
     for slow, plan in candidates:
-        est = estimate_memory(model, plan, workload, ranks=ranks)
+        est = estimate_memory(model, plan, workload, ranks=ranks, sampler=sampler)
         if est.peak_gib <= limit:
             reason = (f"{_summary(plan)}: predicted peak {est.peak_gib:.2f} GiB ({est.peak_phase}) "
                       f"fits {budget_gib:g} GiB with a {margin:.0%} margin; estimated step time x{slow:.2f} "

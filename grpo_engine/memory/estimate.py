@@ -229,7 +229,8 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: int = 1) -> MemoryEstimate:
+def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: int = 1,
+                    sampler: str = "ours") -> MemoryEstimate:
     """Predicts the peak tensor memory of one GRPO step, by part and by phase (of one rank).
 
     Args:
@@ -240,6 +241,10 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
         ranks: torchrun processes. With ``plan.sharding="fsdp"`` each rank holds 1/ranks of the
             decoder's weights, adapters, gradients and AdamW states (the lm_head, or an embedding tied
             to it, whole), gathers the whole model while sampling and two layers while training.
+        sampler: ``"ours"`` (the library's decoder: its KV cache and logits are counted while sampling) or
+            ``"vllm"`` (a colocated ``VLLMSampler`` with adapter sync: the engine's KV cache lives in its own
+            ``gpu_memory_utilization`` share, which is not counted here, so sampling adds nothing to what
+            the trainer holds).
 
     Example:
         >>> from grpo_engine.memory.plan import LoRA, MemoryPlan
@@ -249,6 +254,9 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
         >>> est.peak_phase, round(est.parts["weights"] / 2**20)
         ('training', 942)
     """
+    if sampler not in ("ours", "vllm"):
+        raise ValueError(f"sampler={sampler!r} is not a sampler the estimate knows; use 'ours' (HFSampler) "
+                         "or 'vllm' (VLLMSampler, whose engine takes its own share of the accelerator)")
     s = ModelShape.from_config(model)
     w = workload
     dt = _BYTES[plan.dtype]  # weights
@@ -292,8 +300,12 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
     merged = (s.layers * sum(i * o for i, o in s.adapted_shapes(plan.lora))
               if plan.merge_lora_for_sampling else 0)
     parts["merged_weights"] = merged * dt
-    sampling = (resident + parts["kv_cache"] + parts["sampling_logits"] + parts["merged_weights"]
-                + parts["autocast_weights"] + gathered)
+    if sampler == "vllm":  # the engine's own share holds its weights and KV cache; no forward pass here
+        parts.update(kv_cache=0, sampling_logits=0, merged_weights=0)
+        sampling = resident + gathered
+    else:
+        sampling = (resident + parts["kv_cache"] + parts["sampling_logits"] + parts["merged_weights"]
+                    + parts["autocast_weights"] + gathered)
 
     # training: gradients, saved activations of one micro-batch, one layer's backward, one logits tile
     parts["gradients"] = trainable * grad_bytes
