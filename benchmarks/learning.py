@@ -343,7 +343,7 @@ def run_trl(spec: Spec, workdir: str) -> dict:
         beta1, beta2 = IDENTICAL["adam_betas"]
         own = dict(temperature=IDENTICAL["temperature"], loss_type="dapo", lr_scheduler_type="constant",
                    warmup_steps=0, adam_beta1=beta1, adam_beta2=beta2, adam_epsilon=1e-8, weight_decay=0.0,
-                   optim="adamw_torch", max_grad_norm=1.0, bf16=False, fp16=False,
+                   optim="adamw_torch_fused", max_grad_norm=1.0, bf16=False, fp16=False,
                    gradient_checkpointing=False,
                    beta=0.0, epsilon=0.2, num_iterations=1, scale_rewards="group", top_p=1.0, top_k=0,
                    mask_truncated_completions=False)

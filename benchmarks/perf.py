@@ -24,7 +24,8 @@ compares them and fails if they differ):
   TRL's bf16 flag on a float32 model); KL coefficient; PPO clip 0.2; per-sequence mean aggregation
   (ours ``ClippedSurrogate(aggregation="sequence")``, TRL ``loss_type="grpo"``); group z-score
   advantages; AdamW with the same lr, betas, eps, no weight decay, constant lr, gradient clipping
-  at 1.0 (fused on a GPU, TRL's default there; unfused on the CPU); temperature 1, no top-p /
+  at 1.0 (torch's fused kernel, TRL's default with torch >= 2.8, ours on a GPU and on the CPU);
+  temperature 1, no top-p /
   top-k; no vLLM ("TRL without vLLM": its transformers generation path); no logging or saving.
 - The reward: a CRC of the completion text (``_models.hash_score``).
 
@@ -361,8 +362,7 @@ def run_trl(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
         max_completion_length=p.completion_tokens, max_steps=p.warmup_steps + p.measured_steps,
         learning_rate=p.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, max_grad_norm=1.0,
-        # TRL's GPU default is the fused one
-        optim="adamw_torch_fused" if p.device == "cuda" else "adamw_torch",
+        optim="adamw_torch_fused",  # TRL's default (torch >= 2.8), and ours
         beta=p.kl_coef, use_bias_correction_kl=False, loss_type="grpo", scale_rewards="group", epsilon=0.2,
         num_iterations=1, temperature=1.0, top_p=1.0, top_k=0,
         gradient_checkpointing=p.gradient_checkpointing,

@@ -27,6 +27,7 @@ from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.ops.tokens import token_entropy_mean
 from grpo_engine.protocols import GRPOLoss, PooledEntropyLoss
 from grpo_engine.types import MicroBatch, RolloutBatch
+from grpo_engine.vocab_tiled import gradients_into_grad
 
 __all__ = ["GradientPass", "PolicyGradient", "OldLogprobs"]
 
@@ -166,8 +167,9 @@ class PolicyGradient:
         inputs = batch.trimmed(idx)  # prompt ids and mask, completion ids and mask, padding columns cut
         mask = _scored(batch, idx, inputs[3])  # the tokens trained on (not the environment's)
         metrics: dict[str, Tensor] = {}
-        # forward and loss under autocast (mixed precision), backward outside it
-        with activation_offload(self.memory), self._autocast():  # saved tensors to CPU memory, if planned
+        # forward and loss under autocast (mixed precision), backward outside it; saved tensors to CPU
+        # memory if planned; a tiled head's backward adds its weight gradient into .grad itself
+        with activation_offload(self.memory), self._autocast(), gradients_into_grad(self.model):
             out = completion_logprobs(  # token entropy comes from the same chunked pass
                 self.model, *inputs, temperature=temperature,
                 chunk_size=self.memory.logprob_chunk_size, with_entropy=self.with_entropy,

@@ -13,6 +13,14 @@ Only a plain ``nn.Linear`` head is tiled (tied embeddings included: the gradient
 shared weight); a LoRA-wrapped or soft-capped head goes through ``logprobs.selective_logprobs``'s
 checkpointed chunks instead.
 
+Gradient into ``.grad``: inside :func:`gradients_into_grad` (the trainer's micro-batch forward and
+backward), the head's weight gradient is added tile by tile into ``weight.grad`` itself, and autograd
+gets none for it, as Megatron-LM's gradient-accumulation fusion does. Autograd would otherwise hold a
+second full-size [V, H] buffer for it and, under tied embeddings, a third for the sum with the
+embedding's gradient, before adding it to ``.grad``. The input embedding's lookup does the same (a
+dense [V, H] gradient otherwise). Only a plain leaf weight takes this path (no hooks, not an FSDP2
+shard); outside the context, or for ``torch.autograd.grad``, the gradient flows as usual.
+
 Precision: every matmul runs in one compute dtype, fixed when the forward pass runs: autocast's dtype
 when autocast is on for the device (mixed precision), else the head's weight dtype. The backward pass
 recomputes each tile's logits in that same dtype, so its softmax agrees with the forward pass's
@@ -22,10 +30,84 @@ softmax, the normaliser and the gradients summed over tiles stay float32.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
-__all__ = ["tiled_linear_logprobs"]
+__all__ = ["gradients_into_grad", "tiled_linear_logprobs"]
+
+_INTO_GRAD = False  # read by the forward pass (the trainer's thread), kept on the autograd context
+
+
+@contextmanager
+def gradients_into_grad(model: torch.nn.Module | None = None) -> Iterator[None]:
+    """Inside: a tiled head's weight gradient is added into ``weight.grad`` by its backward pass, and so is
+    the input embedding's of ``model`` (a plain ``nn.Embedding``, its lookup's backward adding rows into
+    ``.grad`` with ``index_add_`` instead of a dense [V, H] gradient; module docstring). For a forward and
+    ``backward()`` that accumulate into ``.grad`` anyway, as a training step's do; a graph built inside
+    and differentiated with ``torch.autograd.grad`` would miss these two gradients."""
+    global _INTO_GRAD
+    embedding = _plain_embedding(model)
+    before, _INTO_GRAD = _INTO_GRAD, True
+    if embedding is not None:
+        def lookup(ids: Tensor) -> Tensor:
+            if torch.is_grad_enabled() and _writes_own_grad(embedding.weight):
+                return _EmbeddingIntoGrad.apply(ids, embedding.weight, embedding.padding_idx)
+            return torch.nn.Embedding.forward(embedding, ids)
+
+        embedding.forward = lookup  # this instance only, until the context ends
+    try:
+        yield
+    finally:
+        _INTO_GRAD = before
+        if embedding is not None:
+            del embedding.forward
+
+
+def _plain_embedding(model: torch.nn.Module | None) -> torch.nn.Embedding | None:
+    """``model``'s input embedding when it is a plain ``nn.Embedding`` (no max_norm, frequency scaling,
+    sparse gradient or patched forward), else None."""
+    try:
+        embedding = model.get_input_embeddings() if model is not None else None
+    except (AttributeError, NotImplementedError):
+        return None
+    if (type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None
+            or embedding.scale_grad_by_freq or embedding.sparse or "forward" in vars(embedding)):
+        return None
+    return embedding
+
+
+class _EmbeddingIntoGrad(torch.autograd.Function):
+    """``weight[ids]``, whose backward adds each row's gradient into ``weight.grad`` (padding_idx's rows
+    excepted, as ``nn.Embedding``'s) and gives autograd none."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor, padding_idx: int | None) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.padding_idx = weight, padding_idx
+        return torch.nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        ids, rows = ids.reshape(-1), grad_out.reshape(-1, weight.shape[1])
+        if ctx.padding_idx is not None:
+            keep = ids != ctx.padding_idx
+            ids, rows = ids[keep], rows[keep]
+        weight.grad.index_add_(0, ids, rows.to(weight.grad.dtype))
+        return None, None, None
+
+
+def _writes_own_grad(weight: Tensor) -> bool:
+    """Whether the backward pass may add into ``weight.grad`` directly: a plain leaf (not an FSDP2 DTensor),
+    no hook to run."""
+    return (_INTO_GRAD and weight.is_leaf and weight.requires_grad and not hasattr(weight, "full_tensor")
+            and not weight._backward_hooks and getattr(weight, "_post_accumulate_grad_hooks", None) is None)
 
 
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -41,8 +123,9 @@ def _tile_logits(hidden: Tensor, weight_tile: Tensor, bias: Tensor | None, start
     """[k, tile] float32 logits of one tile; ``hidden`` and ``weight_tile`` already in the compute dtype."""
     logits = hidden @ weight_tile.T
     if bias is not None:
-        logits = logits + bias[start:stop].to(hidden.dtype)
-    return logits.float() / temperature
+        logits += bias[start:stop].to(hidden.dtype)
+    logits = logits.float()  # a new tensor only when the compute dtype is not float32
+    return logits.div_(temperature) if temperature != 1.0 else logits  # in place: no second [k, tile]
 
 
 class _TiledLinearLogprobs(torch.autograd.Function):
@@ -62,15 +145,16 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                 z = _tile_logits(h, weight[start:stop].to(dtype), bias, start, stop, temperature)
                 new_max = torch.maximum(running_max, z.max(dim=-1).values)
                 scale = torch.exp(running_max - new_max)
-                e = torch.exp(z - new_max[:, None])
+                e = (z - new_max[:, None]).exp_()
                 total = total * scale + e.sum(-1)
-                weighted = weighted * scale + (e * z).sum(-1)
+                weighted = weighted * scale + torch.bmm(e[:, None, :], z[:, :, None]).view(-1)  # sum e * z
                 running_max = new_max
                 inside = (targets >= start) & (targets < stop)
                 target_logit[inside] = z[inside, targets[inside] - start]
         log_norm = running_max + torch.log(total)
         ctx.save_for_backward(hidden, weight, bias, targets, log_norm)
         ctx.temperature, ctx.tile, ctx.dtype = temperature, tile, dtype
+        ctx.into_grad = _writes_own_grad(weight)
         entropy = log_norm - weighted / total
         ctx.mark_non_differentiable(entropy)
         return target_logit - log_norm, entropy
@@ -80,8 +164,13 @@ class _TiledLinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, log_norm = ctx.saved_tensors
         dtype = ctx.dtype
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1] and ctx.into_grad:  # added into .grad here; autograd gets None
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+            grad_weight = weight.grad
+        elif ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if bias is not None and ctx.needs_input_grad[2] else None
         rows = torch.arange(hidden.shape[0], device=hidden.device)
@@ -91,10 +180,12 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                 stop = min(start + ctx.tile, weight.shape[0])
                 w = weight[start:stop].to(dtype)
                 z = _tile_logits(h, w, bias, start, stop, ctx.temperature)
-                g = -torch.exp(z - log_norm[:, None]) * grad_logprobs[:, None]  # -softmax * upstream
+                # -softmax * upstream, in place in z's memory: one [k, tile] tensor at a time
+                g = z.sub_(log_norm[:, None]).exp_().mul_(-grad_logprobs[:, None])
                 inside = (targets >= start) & (targets < stop)
                 g[rows[inside], targets[inside] - start] += grad_logprobs[inside]
-                g = g / ctx.temperature  # [k, tile], d loss / d (h W^T + b), float32
+                if ctx.temperature != 1.0:
+                    g.div_(ctx.temperature)  # [k, tile], d loss / d (h W^T + b), float32
                 if grad_bias is not None:
                     grad_bias[start:stop] += g.sum(0)
                 g = g.to(dtype)
@@ -102,7 +193,7 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                 if grad_weight is not None:
                     grad_weight[start:stop] += g.T @ h
         return (grad_hidden.to(hidden.dtype),
-                grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                grad_weight.to(weight.dtype) if grad_weight is not None and not ctx.into_grad else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None)
 
 

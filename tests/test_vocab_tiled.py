@@ -1,5 +1,6 @@
 """The vocabulary-tiled lm_head pass equals the naive full-softmax computation, in value and gradient."""
 
+import contextlib
 import copy
 
 import pytest
@@ -116,3 +117,76 @@ def test_under_autocast_the_backward_softmax_agrees_with_the_forward_normaliser(
     head, hidden, targets, _ = _bf16_case(1)
     _, (_, _, grad_bias) = _grads(head, hidden, targets, torch.ones(9), autocast=True)
     assert abs(float(grad_bias.sum())) < 1e-4 * 9
+
+
+def _two_micro_batches(model, into_grad: bool) -> list[torch.Tensor]:
+    """Full fine-tuning gradients of two accumulated micro-batches through the tiled head."""
+    from grpo_engine.vocab_tiled import gradients_into_grad
+
+    model.zero_grad(set_to_none=True)
+    for seed in (0, 1):
+        with gradients_into_grad(model) if into_grad else contextlib.nullcontext():
+            lp = completion_logprobs(model, *batch(seed), vocab_tile=7)
+        (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gradients_written_into_grad_equal_autograds(tied):
+    """Inside gradients_into_grad the head's and the embedding's weight gradients are added into .grad by
+    their own backward (autograd is given none: torch.autograd.grad sees no path to them), and two
+    accumulated micro-batches give autograd's gradients; the embedding's padding row (id 0) gets none from
+    the lookup, as nn.Embedding's (untied: none at all)."""
+    from grpo_engine.vocab_tiled import gradients_into_grad
+
+    model = tiny_llama(V, seed=3)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.embed_tokens.padding_idx = 0
+    want = _two_micro_batches(copy.deepcopy(model), into_grad=False)
+    got = _two_micro_batches(model, into_grad=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert tied or float(got[0][0].abs().max()) == 0.0  # the embedding's padding row
+    assert "forward" not in vars(model.model.embed_tokens)  # the patch is gone after the context
+    with gradients_into_grad(model):
+        lp = completion_logprobs(model, *batch(), vocab_tile=7)
+    weights = [model.model.embed_tokens.weight, model.lm_head.weight]
+    assert torch.autograd.grad(lp.sum(), weights, allow_unused=True) == (None, None)
+
+
+def test_inside_gradients_into_grad_no_vocabulary_sized_gradient_buffer_is_made():
+    """The point of writing into .grad: the backward of a second micro-batch (tied embeddings, .grad
+    already there) allocates no tensor of the [V, H] weight's shape (views of the weight and of .grad
+    aside); outside the context autograd makes them (the head's, the embedding's, their sum)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo_engine.vocab_tiled import gradients_into_grad
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []  # (shape, storage) of every op's outputs
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            leaves = torch.utils._pytree.tree_leaves(out)
+            self.made += [(t.shape, t.untyped_storage().data_ptr())
+                          for t in leaves if isinstance(t, torch.Tensor)]
+            return out
+
+    def full_size_buffers(into_grad: bool) -> int:
+        model = tiny_llama(V, seed=3)
+        model.lm_head.weight = model.model.embed_tokens.weight
+        weight = model.lm_head.weight
+        for seed in (0, 1):
+            with gradients_into_grad(model) if into_grad else contextlib.nullcontext():
+                lp = completion_logprobs(model, *batch(seed), vocab_tile=7)  # tiles of [7, H]
+            sizes = Sizes()
+            with sizes:
+                lp.sum().backward()
+        mine = {weight.untyped_storage().data_ptr(), weight.grad.untyped_storage().data_ptr()}
+        return sum(shape == weight.shape and storage not in mine for shape, storage in sizes.made)
+
+    assert full_size_buffers(into_grad=False) >= 2
+    assert full_size_buffers(into_grad=True) == 0

@@ -175,9 +175,12 @@ def build_optimizer(
     if not params:
         raise ValueError("the model has no trainable parameters; check MemoryPlan.lora.target_modules "
                          "or that the base model is not frozen")
-    if plan.optimizer == "adamw":  # the fused kernel on a GPU: one launch per step, not several per tensor
-        fused = all(p.is_cuda and p.is_floating_point() for p in params)
+    if plan.optimizer == "adamw":
         shards = sum(hasattr(p, "full_tensor") for p in params)  # FSDP2's DTensors
+        # the fused kernel: on a GPU one launch per step, not several per tensor; on the CPU (whole tensors)
+        # no temporaries the size of a parameter (the for-loop step makes two for its largest)
+        fused = all(p.is_floating_point() and (p.is_cuda or (p.device.type == "cpu" and not shards))
+                    for p in params)
         mixed = 0 < shards < len(params)  # with whole tensors (a replicated lm_head): one tensor at a time
         return torch.optim.AdamW(params, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay,
                                  fused=(fused and not mixed) or None, foreach=False if mixed else None)

@@ -332,8 +332,10 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
     training = (resident + parts["gradients"] + saved + one_layer + parts["logprob_tile"]
                 + parts["autocast_weights"] + gathered_layers)
 
-    # optimizer step: torch's foreach AdamW makes fp32 temporaries the size of the trainable params
-    parts["optimizer_temporaries"] = 0 if eight_bit else trainable * 4
+    # optimizer step: the fused AdamW (build_optimizer's choice) makes no temporaries; under FSDP2, full
+    # fine-tuning's shards beside the whole head take the per-tensor AdamW: two temporaries of its largest
+    parts["optimizer_temporaries"] = (2 * whole * state_dtype_bytes
+                                      if k > 1 and plan.lora is None and not eight_bit else 0)
     optimizer = resident + parts["gradients"] + parts["optimizer_temporaries"]
     return MemoryEstimate(
         parts=parts, phases={"sampling": sampling, "training": training, "optimizer": optimizer}
