@@ -147,7 +147,7 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                 scale = torch.exp(running_max - new_max)
                 e = (z - new_max[:, None]).exp_()
                 total = total * scale + e.sum(-1)
-                weighted = weighted * scale + torch.bmm(e[:, None, :], z[:, :, None]).view(-1)  # sum e * z
+                weighted = weighted * scale + e.mul_(z).sum(-1)  # sum e * z, in e's memory
                 running_max = new_max
                 inside = (targets >= start) & (targets < stop)
                 target_logit[inside] = z[inside, targets[inside] - start]
