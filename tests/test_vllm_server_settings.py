@@ -8,6 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 from grpo_engine.sampling.vllm_server import VLLMServerSampler, server_command
 from grpo_engine.types import Prompt
@@ -92,3 +93,26 @@ def test_the_server_command_serves_what_the_sampler_needs():
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1"}
     argv, env = server_command("m", max_lora_rank=None)
     assert "--enable-lora" not in argv and env == {}
+
+
+def test_a_fused_adamw_step_makes_the_next_sample_sync(tiny_model, tokenizer):
+    """torch's fused AdamW moves no version counter: the sampler counts optimizer steps over the policy too,
+    and not those of another model's optimizer."""
+    sampler = VLLMServerSampler(tiny_model, tokenizer, base_url="http://127.0.0.1:1")
+    synced = []
+    sampler._sync_weights = lambda: synced.append(1)
+    assert sampler.sync() > 0 and len(synced) == 1
+    assert sampler.sync() == 0.0 and len(synced) == 1  # nothing changed
+    other = torch.nn.Linear(2, 2)
+    other(torch.ones(1, 2)).sum().backward()
+    torch.optim.AdamW(other.parameters(), fused=True).step()
+    assert sampler.sync() == 0.0 and len(synced) == 1  # another model's step
+    params = [p for p in tiny_model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    versions = [p._version for p in params]
+    torch.optim.AdamW(params, lr=0.1, fused=True).step()
+    assert [p._version for p in params] == versions  # the fused kernel moved no counter
+    sampler.sync()
+    assert len(synced) == 2
+    sampler.close()

@@ -9,7 +9,7 @@
 - Seeds: a request's seed is the call's ``draws.seed`` and the prompt's place in the whole step, so a
   seeded run repeats (on one engine, vLLM's batching may still change a float and so a draw).
 - Weight sync, before sampling, whenever the policy's trainable parameters changed since the last sync
-  (their in-place version counters moved, which an optimizer step does): under LoRA the adapter is saved
+  (an optimizer step over them, or their in-place version counters moved): under LoRA the adapter is saved
   to a folder under ``sync_dir`` (default: shared memory, ``/dev/shm``) and handed to vLLM as a new
   ``LoRARequest`` (the quantised or full-precision base is never merged into); under full fine-tuning
   every weight is loaded into the engine's model in place. The seconds it took are
@@ -26,12 +26,14 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.types import Draws, Prompt, RolloutBatch
@@ -70,7 +72,17 @@ class SyncedSampler(HFSampler):
         root.mkdir(parents=True, exist_ok=True)
         self.sync_dir = Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=root))
         self.lora, self.lora_sync = False, lora_sync  # lora: set when the engine starts
-        self.last_sync_seconds, self._synced = 0.0, None
+        self.last_sync_seconds, self._synced, self._steps = 0.0, None, 0
+        # torch's fused AdamW updates parameters without moving their version counters: every optimizer
+        # step over one of the policy's parameters is counted as well (weakly held: no leak of the sampler)
+        watcher = weakref.ref(self)
+
+        def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            sampler = watcher()
+            if sampler is not None:
+                sampler._saw_step(optimizer)
+
+        self._step_hook = register_optimizer_step_post_hook(after_step)
 
     @classmethod
     def check_settings(cls, settings: dict[str, Any], lora_sync: str) -> None:
@@ -91,9 +103,16 @@ class SyncedSampler(HFSampler):
 
     # -- weight sync -----------------------------------------------------------------------------
 
+    def _saw_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Counts an optimizer step that updated one of the policy's trainable parameters."""
+        mine = {id(p) for p in self.model.parameters() if p.requires_grad}
+        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            self._steps += 1
+
     def _fingerprint(self) -> tuple[int, ...]:
-        """The in-place version counters of the trainable parameters (an optimizer step moves them)."""
-        return tuple(p._version for p in self.model.parameters() if p.requires_grad)
+        """The optimizer steps over the policy seen so far and the trainable parameters' in-place version
+        counters (a load or a plain in-place update moves them; the fused AdamW does not)."""
+        return (self._steps, *(p._version for p in self.model.parameters() if p.requires_grad))
 
     def sync(self) -> float:
         """Brings the engine to the policy's weights if they changed; returns the seconds it took."""
@@ -149,7 +168,8 @@ class SyncedSampler(HFSampler):
             metrics={"prompts/truncated": float(self.last_truncated), "time/sync_s": self.last_sync_seconds})
 
     def close(self) -> None:
-        """Removes the adapters and weights saved for the engine."""
+        """Removes the adapters and weights saved for the engine, and stops counting optimizer steps."""
+        self._step_hook.remove()
         shutil.rmtree(self.sync_dir, ignore_errors=True)
 
 
