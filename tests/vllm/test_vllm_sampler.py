@@ -93,13 +93,14 @@ def test_logprobs_at_another_temperature_are_the_trainers_at_that_temperature(fu
     assert (ours[keep] - batch.sampler_logprobs[keep]).abs().max() < TOLERANCE
 
 
-def test_the_engines_logprobs_equal_the_trainers_with_an_adapter_and_after_a_step(adapted):
-    model, sampler = adapted
+def step_and_check(model, sampler, lr):
+    """Samples, takes an SGD step, samples again: both match the trainer, the engine's log-probs of the first
+    batch moved as the trainer's did, and with nothing changed there is no sync and the same draws."""
     first = sampler.sample(PROMPTS, group_size=4, temperature=1.0, draws=Draws(seed=3))
     assert_match(model, first)
     assert sampler.last_sync_seconds > 0 and first.metrics["time/sync_s"] > 0
-    # a training step: the adapter moves in place, so the next sample syncs it
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    # a training step: the weights move in place, so the next sample syncs them
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     logprobs = completion_logprobs(model, first.prompt_ids, first.prompt_mask, first.completion_ids,
                                    first.completion_mask)
     (-logprobs.sum()).backward()
@@ -113,6 +114,10 @@ def test_the_engines_logprobs_equal_the_trainers_with_an_adapter_and_after_a_ste
     unchanged = sampler.sample(PROMPTS, group_size=4, temperature=1.0, draws=Draws(seed=3))
     assert sampler.last_sync_seconds == 0.0  # nothing changed: no sync
     assert torch.equal(unchanged.completion_ids, again.completion_ids)
+
+
+def test_the_engines_logprobs_equal_the_trainers_with_an_adapter_and_after_a_step(adapted):
+    step_and_check(*adapted, lr=0.1)
 
 
 def test_a_run_with_vllm_resumes_from_its_checkpoint_as_it_ran(folder, tmp_path):

@@ -24,9 +24,7 @@ from grpo_engine.logprobs import completion_logprobs  # noqa: E402
 from grpo_engine.models import load_model  # noqa: E402
 from grpo_engine.sampling.vllm_server import VLLMServerSampler, server_command  # noqa: E402
 from grpo_engine.types import Draws, Prompt  # noqa: E402
-
-PROMPTS = [Prompt("What is 7 + 5?", "12"), Prompt("Name a prime number.", "2")]
-TOLERANCE = 1e-4  # float32: vLLM's kernels against transformers'
+from tests.vllm.test_vllm_sampler import PROMPTS, TOLERANCE, step_and_check  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,42 +76,10 @@ def peft_model(folder):
     return model, tokenizer
 
 
-def trainer_logprobs(model, batch):
-    with torch.no_grad():
-        return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                   batch.completion_mask)
-
-
-def assert_match(model, batch):
-    keep = batch.completion_mask
-    assert keep.sum() > 10
-    assert (trainer_logprobs(model, batch)[keep] - batch.sampler_logprobs[keep]).abs().max() < TOLERANCE
-
-
-def step_and_check(model, sampler):
-    """Samples, takes a training step, samples again: both match, and the server moved as the trainer."""
-    first = sampler.sample(PROMPTS, group_size=4, temperature=1.0, draws=Draws(seed=3))
-    assert_match(model, first)
-    assert sampler.last_sync_seconds > 0 and first.metrics["time/sync_s"] > 0
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    logprobs = completion_logprobs(model, first.prompt_ids, first.prompt_mask, first.completion_ids,
-                                   first.completion_mask)
-    (-logprobs.sum()).backward()
-    optimizer.step()
-    again = sampler.sample(PROMPTS, group_size=4, temperature=1.0, draws=Draws(seed=3))
-    assert sampler.last_sync_seconds > 0
-    assert_match(model, again)
-    moved = trainer_logprobs(model, first) - first.sampler_logprobs
-    assert moved[first.completion_mask].abs().max() > 1e-3  # the step changed the policy
-    unchanged = sampler.sample(PROMPTS, group_size=4, temperature=1.0, draws=Draws(seed=3))
-    assert sampler.last_sync_seconds == 0.0  # nothing changed: no sync
-    assert torch.equal(unchanged.completion_ids, again.completion_ids)  # the same seed, the same draws
-
-
 def test_a_runtime_loaded_adapter_matches_the_trainer_before_and_after_a_step(server, folder):
     model, tokenizer = peft_model(folder)
     sampler = VLLMServerSampler(model, tokenizer, base_url=server, max_completion_tokens=24)
-    step_and_check(model, sampler)
+    step_and_check(model, sampler, lr=0.05)
     # an EOS ends a completion and is kept; a completion without one is truncated
     batch = sampler.sample(PROMPTS, group_size=4, temperature=1.0, draws=Draws(seed=1))
     for row, keep, cut in zip(batch.completion_ids, batch.completion_mask, batch.is_truncated.tolist()):
@@ -159,14 +125,14 @@ def test_a_merged_adapter_reloaded_in_place_matches_the_trainer(server, folder):
     model, tokenizer = peft_model(folder)
     sampler = VLLMServerSampler(model, tokenizer, base_url=server, max_completion_tokens=24,
                                 lora_sync="merged")
-    step_and_check(model, sampler)
+    step_and_check(model, sampler, lr=0.05)
     sampler.close()
 
 
 def test_full_fine_tuning_reloads_every_weight(server, folder):
     model, tokenizer = load_model(str(folder))
     sampler = VLLMServerSampler(model, tokenizer, base_url=server, max_completion_tokens=24)
-    step_and_check(model, sampler)  # its first sync also restores the base the merged test replaced
+    step_and_check(model, sampler, lr=0.05)  # its first sync also restores the base the merged test replaced
     sampler.close()
 
 
