@@ -92,6 +92,9 @@ class Preset:
     worker_timeout_s: float = 600.0  # ours; a fixed limit per worker
     trl_timeout_s: float | None = None  # TRL's worker (default: worker_timeout_s)
     decoding: str = "auto"  # our sampler's decoding path (MemoryPlan.decoding)
+    # the training forward through torch.compile: ours MemoryPlan(compile_training=True), TRL
+    # torch_compile=True (transformers' Trainer compiles the model it trains)
+    compile_training: bool = False
     # torch CPU threads (None = every core). The CPU presets use 1: on a shared 2-core machine a second
     # busy process stalls a 2-thread OpenMP pool at every barrier (steps measured 5-10x slower).
     threads: int | None = None
@@ -261,7 +264,8 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
             else None)
     memory = MemoryPlan(lora=lora, gradient_checkpointing=p.gradient_checkpointing,
                         quantization=p.quantization, micro_batch_size=p.micro_batch_size, dtype=p.dtype,
-                        compute_dtype=p.compute_dtype, decoding=p.decoding)
+                        compute_dtype=p.compute_dtype, decoding=p.decoding,
+                        compile_training=p.compile_training)
     from grpo_engine.memory.estimate import Workload, estimate_memory
 
     predicted = estimate_memory(model.config, memory, Workload(
@@ -303,6 +307,7 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
             "aggregation": "sequence", "learning_rate": config.learning_rate,
             "adam_betas": list(config.adam_betas),
             "max_grad_norm": config.max_grad_norm, "temperature": config.temperature,
+            "compile_training": memory.compile_training,
             "optimizer": (f"{type(trainer.optimizer).__name__}"
                           f"(fused={trainer.optimizer.defaults.get('fused')})"),
         }
@@ -370,6 +375,7 @@ def run_trl(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
         fp16=compute == "float16",
         use_cpu=p.device == "cpu", disable_dropout=True, report_to="none", save_strategy="no",
         logging_steps=10**6, disable_tqdm=True, seed=p.seed, dataloader_num_workers=0, log_completions=False,
+        torch_compile=p.compile_training,
     )
     peft_config = None
     if p.lora_r:
@@ -450,6 +456,7 @@ def run_trl(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
                             "dr_grpo": "constant"}.get(a.loss_type, a.loss_type),
             "learning_rate": a.learning_rate, "adam_betas": [a.adam_beta1, a.adam_beta2],
             "max_grad_norm": a.max_grad_norm, "temperature": a.temperature,
+            "compile_training": bool(a.torch_compile),
             "optimizer": f"{type(trainer.optimizer.optimizer).__name__}"
                          f"(fused={trainer.optimizer.optimizer.defaults.get('fused')})",
         }

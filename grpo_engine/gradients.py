@@ -174,7 +174,7 @@ class PolicyGradient:
                 self.model, *inputs, temperature=temperature,
                 chunk_size=self.memory.logprob_chunk_size, with_entropy=self.with_entropy,
                 vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=self.loss.requires.entropy,
-                share_prompt=self.share_prompt, score_mask=mask)
+                share_prompt=self.share_prompt, score_mask=mask, compiled=self.memory.compile_training)
             logprobs, entropy = out if self.with_entropy else (out, None)
             if record is not None:
                 record[idx, :mask.shape[1]] = logprobs.detach().float().cpu()

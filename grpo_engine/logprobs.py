@@ -62,6 +62,7 @@ def selective_logprobs(
     with_entropy: bool = False,
     vocab_tile: int | None = None,
     entropy_grad: bool = False,
+    compiled: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of ``targets`` (and optionally the token entropy) from hidden states, chunk by chunk.
 
@@ -79,6 +80,7 @@ def selective_logprobs(
             at most ``chunk_size * vocab_tile`` logits exist in the forward and the backward.
         entropy_grad: the entropy must carry a gradient (an entropy bonus); the tiled path gives
             the entropy without one, so this selects the checkpointed chunks.
+        compiled: the tiled path's element-wise work through ``torch.compile``.
 
     Returns:
         [k] float32 log-probs, or ``(logprobs [k], entropy [k])`` with ``with_entropy``.
@@ -97,7 +99,8 @@ def selective_logprobs(
         h = hidden[start:start + chunk_size]
         t = targets[start:start + chunk_size]
         if tiled:
-            lp, ent = tiled_linear_logprobs(h, lm_head, t, temperature=temperature, vocab_tile=vocab_tile)
+            lp, ent = tiled_linear_logprobs(h, lm_head, t, temperature=temperature, vocab_tile=vocab_tile,
+                                            compiled=compiled)
         elif torch.is_grad_enabled() and h.requires_grad:
             lp, ent = checkpoint(_chunk_logprobs, h, lm_head, t, temperature, softcap, with_entropy,
                                  use_reentrant=False)
@@ -126,6 +129,7 @@ def completion_logprobs(
     entropy_grad: bool = False,
     share_prompt: bool = False,
     score_mask: Tensor | None = None,
+    compiled: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of each kept completion token under ``model`` (and optionally the token entropy).
 
@@ -143,6 +147,8 @@ def completion_logprobs(
             it (see the module docstring); ignored where :func:`can_share_prompt` says no.
         score_mask: [n, C] the tokens to score, within ``completion_mask`` (default: all of them);
             the others are attended to (a tool's answer in a multi-turn rollout) but get 0.
+        compiled: run the decoder layers through ``torch.compile``
+            (:func:`grpo_engine.compiling.compiled_hidden`; the trainer's ``compile_training``).
 
     Returns:
         [n, C] float32 log-probs, 0 where ``completion_mask`` (or ``score_mask``) is False; with
@@ -151,7 +157,14 @@ def completion_logprobs(
     decoder = model.get_decoder()
     distinct = (_distinct_rows(prompt_ids, prompt_mask) if share_prompt and _keeps_cache(model, prompt_ids)
                 else None)
-    if distinct is not None and len(distinct[0]) < prompt_ids.shape[0]:
+    if distinct is not None and len(distinct[0]) == prompt_ids.shape[0]:
+        distinct = None  # every prompt distinct: nothing to share
+    if compiled:
+        from grpo_engine.compiling import compiled_hidden
+
+        predicting = compiled_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                     distinct=distinct)
+    elif distinct is not None:
         predicting = _shared_prompt_hidden(decoder, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                            *distinct)
     else:
@@ -177,6 +190,7 @@ def completion_logprobs(
         with_entropy=with_entropy,
         vocab_tile=vocab_tile,
         entropy_grad=entropy_grad,
+        compiled=compiled,
     )
     zeros = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     if not with_entropy:

@@ -128,11 +128,47 @@ def _tile_logits(hidden: Tensor, weight_tile: Tensor, bias: Tensor | None, start
     return logits.div_(temperature) if temperature != 1.0 else logits  # in place: no second [k, tile]
 
 
+def _tile_statistics(z: Tensor, running_max: Tensor, total: Tensor, weighted: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """The online logsumexp's running (max, sum exp(z - max), sum exp(z - max) * z) [k] after the tile's
+    logits ``z`` [k, tile]; one new [k, tile] tensor, exponentiated and multiplied in place."""
+    new_max = torch.maximum(running_max, z.max(dim=-1).values)
+    scale = torch.exp(running_max - new_max)
+    e = (z - new_max[:, None]).exp_()
+    total = total * scale + e.sum(-1)
+    weighted = weighted * scale + e.mul_(z).sum(-1)  # sum e * z, in e's memory
+    return new_max, total, weighted
+
+
+def _tile_softmax_grad(z: Tensor, log_norm: Tensor, grad_logprobs: Tensor) -> Tensor:
+    """-softmax(z) * upstream [k, tile], in place in the logits' memory: one [k, tile] tensor at a time."""
+    return z.sub_(log_norm[:, None]).exp_().mul_(-grad_logprobs[:, None])
+
+
+def _pure_softmax_grad(z: Tensor, log_norm: Tensor, grad_logprobs: Tensor) -> Tensor:
+    return torch.exp(z - log_norm[:, None]) * -grad_logprobs[:, None]  # compiled: one fused pass
+
+
+_COMPILED: dict[tuple[str, str], object] = {}
+
+
+def _compiled(name: str, device_type: str):
+    """The tile's element-wise work through ``torch.compile`` (``compile_training``): one fused pass over
+    the tile where eager runs one per operation; the gradient's pass writes a new tensor (a compiled
+    function that wrote into its input would copy it back)."""
+    if (name, device_type) not in _COMPILED:
+        function = _tile_statistics if name == "statistics" else _pure_softmax_grad
+        _COMPILED[name, device_type] = torch.compile(
+            function, dynamic=True, options={"cpp_wrapper": True} if device_type == "cpu" else None)
+    return _COMPILED[name, device_type]
+
+
 class _TiledLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                tile: int) -> tuple[Tensor, Tensor]:
+                tile: int, compiled: bool) -> tuple[Tensor, Tensor]:
         dtype = _compute_dtype(hidden, weight)
+        statistics = _compiled("statistics", hidden.device.type) if compiled else _tile_statistics
         k = hidden.shape[0]
         running_max = torch.full((k,), float("-inf"), device=hidden.device)
         total = torch.zeros(k, device=hidden.device)  # sum exp(z - max)
@@ -143,17 +179,12 @@ class _TiledLinearLogprobs(torch.autograd.Function):
             for start in range(0, weight.shape[0], tile):
                 stop = min(start + tile, weight.shape[0])
                 z = _tile_logits(h, weight[start:stop].to(dtype), bias, start, stop, temperature)
-                new_max = torch.maximum(running_max, z.max(dim=-1).values)
-                scale = torch.exp(running_max - new_max)
-                e = (z - new_max[:, None]).exp_()
-                total = total * scale + e.sum(-1)
-                weighted = weighted * scale + e.mul_(z).sum(-1)  # sum e * z, in e's memory
-                running_max = new_max
                 inside = (targets >= start) & (targets < stop)
                 target_logit[inside] = z[inside, targets[inside] - start]
+                running_max, total, weighted = statistics(z, running_max, total, weighted)
         log_norm = running_max + torch.log(total)
         ctx.save_for_backward(hidden, weight, bias, targets, log_norm)
-        ctx.temperature, ctx.tile, ctx.dtype = temperature, tile, dtype
+        ctx.temperature, ctx.tile, ctx.dtype, ctx.compiled = temperature, tile, dtype, compiled
         ctx.into_grad = _writes_own_grad(weight)
         entropy = log_norm - weighted / total
         ctx.mark_non_differentiable(entropy)
@@ -174,14 +205,14 @@ class _TiledLinearLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if bias is not None and ctx.needs_input_grad[2] else None
         rows = torch.arange(hidden.shape[0], device=hidden.device)
+        softmax_grad = _compiled("softmax_grad", hidden.device.type) if ctx.compiled else _tile_softmax_grad
         h = hidden.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, weight.shape[0], ctx.tile):
                 stop = min(start + ctx.tile, weight.shape[0])
                 w = weight[start:stop].to(dtype)
                 z = _tile_logits(h, w, bias, start, stop, ctx.temperature)
-                # -softmax * upstream, in place in z's memory: one [k, tile] tensor at a time
-                g = z.sub_(log_norm[:, None]).exp_().mul_(-grad_logprobs[:, None])
+                g = softmax_grad(z, log_norm, grad_logprobs)
                 inside = (targets >= start) & (targets < stop)
                 g[rows[inside], targets[inside] - start] += grad_logprobs[inside]
                 if ctx.temperature != 1.0:
@@ -194,11 +225,11 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                     grad_weight[start:stop] += g.T @ h
         return (grad_hidden.to(hidden.dtype),
                 grad_weight.to(weight.dtype) if grad_weight is not None and not ctx.into_grad else None,
-                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None)
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
 
 
 def tiled_linear_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, *, temperature: float = 1.0,
-                          vocab_tile: int = 32768) -> tuple[Tensor, Tensor]:
+                          vocab_tile: int = 32768, compiled: bool = False) -> tuple[Tensor, Tensor]:
     """``(logprobs [k], entropy [k])`` of ``targets`` under ``head(hidden) / temperature``.
 
     Args:
@@ -207,6 +238,8 @@ def tiled_linear_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor
         targets: [k] token ids.
         temperature: logits are divided by it.
         vocab_tile: vocabulary entries per tile.
+        compiled: each tile's element-wise work through ``torch.compile`` (fused; one more [k, tile]
+            tensor alive in the backward pass).
 
     Returns:
         Float32 log-probs (differentiable w.r.t. ``hidden`` and the head) and the token entropy
@@ -220,4 +253,5 @@ def tiled_linear_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor
     """
     if vocab_tile < 1:
         raise ValueError(f"vocab_tile={vocab_tile} must be >= 1; use e.g. 32768")
-    return _TiledLinearLogprobs.apply(hidden, head.weight, head.bias, targets, temperature, vocab_tile)
+    return _TiledLinearLogprobs.apply(hidden, head.weight, head.bias, targets, temperature, vocab_tile,
+                                      compiled)

@@ -8,7 +8,8 @@ adapters), ``gradient_checkpointing``, ``offload_activations`` (saved tensors in
 memory), ``share_prompt`` (a group's prompt runs once: in sampling, and in training unless checkpointed),
 ``merge_lora_for_sampling`` (a temporary merged copy of the adapted float32 weights while sampling),
 ``decoding`` (``auto``: ``cuda_graph`` on a GPU, ``dynamic`` on the CPU; or ``dynamic``, ``static``,
-``compiled``, ``cuda_graph``), ``micro_batch_size`` (completions per forward/backward; the accumulated
+``compiled``, ``cuda_graph``), ``compile_training`` (the training pass's decoder layers through
+``torch.compile``), ``micro_batch_size`` (completions per forward/backward; the accumulated
 gradient equals the one-batch gradient), ``dtype`` (base weights; adapters stay float32),
 ``compute_dtype`` (mixed precision: float32 weights, gradients and AdamW states, forward passes under
 ``torch.autocast``), ``logprob_chunk_size`` / ``logprob_vocab_tile`` (at most chunk x tile logits),
@@ -122,6 +123,11 @@ class MemoryPlan(FrozenModel):
         "the dynamic loop that drops finished rows on the CPU), dynamic, static, "
         "compiled (torch.compile) or cuda_graph."
     )
+    compile_training: bool = Field(
+        False, description="Run the decoder layers through torch.compile in the training pass (fused "
+        "element-wise kernels; grpo_engine.compiling). Compiles at the first step; on the CPU it needs a "
+        "C++ compiler."
+    )
     micro_batch_size: int = Field(8, description="Completions per forward/backward (gradient accumulation).")
     sharding: Literal["none", "fsdp"] = Field(
         "none", description="Under torchrun: none (every rank holds the whole model: data parallel) "
@@ -163,6 +169,10 @@ class MemoryPlan(FrozenModel):
                              f"(got lora={'set' if self.lora else None}, dtype={self.dtype!r}, "
                              f"quantization={self.quantization!r}): a merged 4-bit or half-precision weight "
                              "would lose small LoRA updates; set merge_lora_for_sampling=False")
+        if self.compile_training and (self.quantization is not None or self.sharding != "none"):
+            raise ValueError(f"compile_training=True with quantization={self.quantization!r} and "
+                             f"sharding={self.sharding!r}: compiling the training pass is not supported with "
+                             "a 4-bit base or FSDP2 sharding yet; set compile_training=False")
         mixed = self.compute_dtype not in (None, self.dtype)
         if mixed and (self.dtype != "float32" or self.quantization is not None):
             raise ValueError(f"compute_dtype={self.compute_dtype!r} with dtype={self.dtype!r} "

@@ -271,14 +271,16 @@ class StaticDecoder:
         self.t.add_(1)
 
 
-_COMPILED_STEP = None
+_COMPILED_STEPS: dict[str, object] = {}  # device type -> the compiled step
 
 
-def _compiled_step():
-    global _COMPILED_STEP
-    if _COMPILED_STEP is None:
-        _COMPILED_STEP = torch.compile(StaticDecoder.step, dynamic=False)
-    return _COMPILED_STEP
+def _compiled_step(device_type: str):
+    """The step through ``torch.compile``; on the CPU with inductor's C++ wrapper, which calls the step's
+    kernels from C++ rather than Python (a token step is many small kernels there)."""
+    if device_type not in _COMPILED_STEPS:
+        options = {"cpp_wrapper": True} if device_type == "cpu" else None
+        _COMPILED_STEPS[device_type] = torch.compile(StaticDecoder.step, dynamic=False, options=options)
+    return _COMPILED_STEPS[device_type]
 
 
 def _warm_up(decoder: StaticDecoder, steps: int = 2) -> None:
@@ -351,7 +353,7 @@ def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, 
             decoder, ran = decoder.restarted(), "static"
     if info is not None:
         info.update(path=ran if ran != "eager" else "static", capture_error=capture_error)
-    step = _compiled_step() if mode == "compiled" else StaticDecoder.step
+    step = _compiled_step(ids.device.type) if mode == "compiled" else StaticDecoder.step
     if clock is not None:
         clock.mark("prefill")
     with _grouped_attention(model):

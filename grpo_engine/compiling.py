@@ -1,0 +1,197 @@
+"""``MemoryPlan(compile_training=True)``: the training pass through compiled decoder layers.
+
+On a small model a decoder layer spends as much time in element-wise work and per-operation overhead
+as in matrix products: RMSNorm's upcast, square, mean, rsqrt and two multiplies, the rotary embedding,
+the MLP's SiLU and gate product and the residual adds are each a kernel, in the forward and again in
+the backward. :func:`compiled_layers` runs every decoder layer through ``torch.compile`` for the
+duration of the trainer's micro-batch forward (the backward runs the compiled backward), so each
+layer's element-wise work becomes a few fused kernels. Outside it the layers are the eager ones:
+sampling, evaluation and every no-gradient pass are unchanged.
+
+- No KV cache object enters a compiled layer: transformers' cache is Python state that differs per
+  layer and per pass, and a graph specialised on it recompiles past torch's limit. A training pass
+  that shares the prompt across its group (``share_prompt``) therefore runs the prompt once without a
+  cache, records each layer's keys and values through :func:`shared_prompt_attention` (an attention
+  function registered with transformers), and hands each layer its own prompt keys and values in the
+  completion pass, where that attention function attends over [prompt, completion]. This needs a
+  Llama / Mistral / Qwen2 / Qwen3-family decoder in ``sdpa`` or ``eager`` attention
+  (``sampling.static.supports_static``); any other model compiles its layers and runs the whole prompt
+  with every completion.
+- Shapes are dynamic from the first call (``dynamic=True``): a step's widths vary. The layers share one
+  compiled function (the layer is an argument), so a model compiles a few graphs (one per kind of
+  pass, one more when a width first differs from a size it was specialised to, such as 1), not one per
+  layer or per step.
+- On the CPU, inductor's C++ wrapper (``cpp_wrapper``) calls the kernels from C++ rather than Python,
+  which matters for a small model's many small kernels (not under gradient checkpointing, whose
+  graphs it cannot call yet). Compiling needs a C++ compiler there.
+- The numbers agree with the eager pass to rounding, not bit for bit: fused kernels sum in another
+  order. ``tests/test_compiling.py`` compares log-probs and gradients with the eager pass's in a float64
+  model, to float32's precision (transformers' RMSNorm computes in float32 whatever the weights).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["compiled_layers", "compiled_hidden", "shared_prompt_attention", "SHARED_ATTENTION"]
+
+SHARED_ATTENTION = "grpo_engine_shared_prompt"  # the name shared_prompt_attention is registered under
+_COMPILED: dict[tuple[type, bool], object] = {}  # (layer class, C++ wrapper) -> its compiled forward
+
+
+def shared_prompt_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                            attention_mask: Tensor | None, *, attention_base: str,
+                            prompt_record: list | None = None, prompt_kv: tuple[Tensor, Tensor] | None = None,
+                            **kwargs) -> tuple[Tensor, None]:
+    """The attention of a training pass that shares the prompt: transformers' ``attention_base``
+    attention (``"sdpa"`` or ``"eager"``) with, in the prompt pass, this layer's keys and values
+    appended to ``prompt_record``, and in the completion pass, ``prompt_kv`` ([n, kv, P, d] each: the
+    prompt's, one row per completion) put before the completion's own. ``attention_mask``: the 4D mask
+    over the keys attended to, in ``attention_base``'s form."""
+    if prompt_record is not None:
+        prompt_record.append((key, value))
+    if prompt_kv is not None:
+        key, value = torch.cat([prompt_kv[0], key], dim=2), torch.cat([prompt_kv[1], value], dim=2)
+    return _attention_function(module, attention_base)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _attention_function(module: nn.Module, name: str):
+    """transformers' attention function ``name``; ``"eager"`` is the model's own module-level one."""
+    if name == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+@contextmanager
+def _shared_attention(config) -> Iterator[str]:
+    """Runs the block with the model's attention layers calling :func:`shared_prompt_attention`; yields
+    the implementation it wraps."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SHARED_ATTENTION, shared_prompt_attention)
+    base = config._attn_implementation or "eager"
+    config._attn_implementation = SHARED_ATTENTION
+    try:
+        yield base
+    finally:
+        config._attn_implementation = base
+
+
+def _mask(allowed: Tensor, base: str, dtype: torch.dtype) -> Tensor:
+    """A boolean 4D mask (True: attend) in the form ``base`` takes: boolean for sdpa, additive for eager."""
+    if base != "eager":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                       torch.finfo(dtype).min)
+
+
+def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                    completion_mask: Tensor, *, distinct: tuple[Tensor, Tensor] | None) -> Tensor:
+    """[n, C, H] hidden states predicting each completion token, through compiled layers: with
+    ``distinct`` (:func:`grpo_engine.logprobs` ``_distinct_rows``: fewer distinct prompts than rows) and
+    a model :func:`grpo_engine.sampling.static.supports_static` accepts, the prompt once per distinct
+    prompt (module docstring); else the whole [prompt, completion] of each row."""
+    from grpo_engine.logprobs import position_ids_from_mask
+    from grpo_engine.sampling.static import supports_static
+
+    decoder = model.get_decoder()
+    n, width = prompt_ids.shape
+    if distinct is None or supports_static(model) is not None:
+        mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
+        with compiled_layers(model):
+            out = decoder(input_ids=torch.cat([prompt_ids, completion_ids], dim=1), attention_mask=mask,
+                          position_ids=position_ids_from_mask(mask), use_cache=False)
+        return out.last_hidden_state[:, width - 1:-1]  # position t-1 predicts completion token t
+    first, inverse = distinct
+    device, dtype = prompt_ids.device, model.get_input_embeddings().weight.dtype  # (a 4-bit base: not its)
+    head_mask = prompt_mask[first]  # [u, P]
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    # a query attends to earlier real tokens, and to itself (a padding query then stays finite)
+    head_allowed = (causal & head_mask[:, None, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
+    length = completion_ids.shape[1]
+    allowed = torch.cat([prompt_mask[:, None, None, :].expand(n, 1, length, width),
+                         torch.ones(length, length, dtype=torch.bool, device=device).tril()
+                         & completion_mask[:, None, None, :]], dim=-1)  # [n, 1, C, P + C]
+    record: list[tuple[Tensor, Tensor]] = []
+    with _shared_attention(decoder.config) as base:
+        head = decoder(input_ids=prompt_ids[first], attention_mask=_mask(head_allowed, base, dtype),
+                       position_ids=position_ids_from_mask(head_mask.long()), use_cache=False,
+                       attention_base=base, prompt_record=record)  # eager: it appends to `record`
+        prompt_kv = [(key[inverse], value[inverse]) for key, value in record]  # [u, ...] -> [n, ...]
+        positions = position_ids_from_mask(torch.cat([prompt_mask, completion_mask], dim=1).long())
+        with compiled_layers(model, prompt_kv):
+            rest = decoder(input_ids=completion_ids, attention_mask=_mask(allowed, base, dtype),
+                           position_ids=positions[:, width:], use_cache=False, attention_base=base)
+    last_prompt = head.last_hidden_state[:, -1][inverse]  # [n, H]: predicts completion token 0
+    return torch.cat([last_prompt[:, None], rest.last_hidden_state[:, :-1]], dim=1)
+
+
+def _compiled(layer: nn.Module):
+    """``layer.forward`` through the compiled ``forward`` of its class (the layer an argument: every
+    layer shares one compiled function, and no compiled function holds a layer)."""
+    # the C++ wrapper cannot yet call the RNG-state operation a checkpointed layer's graph holds
+    checkpointed = getattr(layer, "gradient_checkpointing", False)
+    cpp = next(layer.parameters()).device.type == "cpu" and not checkpointed
+    key = (type(layer), cpp)
+    if key not in _COMPILED:
+        # emulate_precision_casts: round where the eager code casts down (transformers' RMSNorm computes in
+        # float32 whatever the weights), as eager does; inductor would otherwise keep the wider type
+        options = {"emulate_precision_casts": True, **({"cpp_wrapper": True} if cpp else {})}
+        _COMPILED[key] = torch.compile(type(layer).forward, dynamic=True, options=options)
+    return partial(_COMPILED[key], layer)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's layers.
+
+    Raises:
+        ValueError: the decoder has no ``layers`` ModuleList (not a transformers decoder-only LM).
+    """
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"compile_training=True needs a decoder with a `layers` ModuleList (Llama, Qwen2, "
+                         f"Mistral and most transformers decoders); {type(decoder).__name__} has none; set "
+                         "MemoryPlan(compile_training=False)")
+    return layers
+
+
+@contextmanager
+def compiled_layers(model: nn.Module, prompt_kv: list[tuple[Tensor, Tensor]] | None = None) -> Iterator[None]:
+    """Inside: each decoder layer of ``model`` runs compiled (compiled at the first call, then reused);
+    with ``prompt_kv`` (one (keys, values) per layer), layer i is also given ``prompt_kv[i]`` (for
+    :func:`shared_prompt_attention`).
+
+    Raises:
+        ValueError: a layer's ``forward`` is already replaced on the instance (accelerate's device-map
+            hooks do that), so it cannot be swapped.
+        RuntimeError: compiling failed (no C++ compiler on the CPU, an operation inductor cannot
+            compile), with the fix.
+    """
+    layers = list(decoder_layers(model))
+    patched = [index for index, layer in enumerate(layers) if "forward" in vars(layer)]
+    if patched:
+        raise ValueError(f"compile_training=True: decoder layers {patched[:4]} have a forward replaced on "
+                         "the instance (accelerate's device_map hooks do that); load the model without "
+                         "device_map, or set MemoryPlan(compile_training=False)")
+    for index, layer in enumerate(layers):
+        compiled = _compiled(layer)
+        layer.forward = (compiled if prompt_kv is None  # this instance only, until the context ends
+                         else partial(compiled, prompt_kv=prompt_kv[index]))
+    try:
+        yield
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        raise RuntimeError(f"compile_training=True: torch.compile could not compile the decoder layers "
+                           f"({str(error).splitlines()[0][:300]}); on the CPU it needs a C++ compiler (g++ "
+                           "or clang); set MemoryPlan(compile_training=False) to train without it") from error
+    finally:
+        for layer in layers:
+            del layer.forward
