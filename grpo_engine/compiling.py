@@ -70,29 +70,6 @@ def _attention_function(module: nn.Module, name: str):
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-@contextmanager
-def _shared_attention(config) -> Iterator[str]:
-    """Runs the block with the model's attention layers calling :func:`shared_prompt_attention`; yields
-    the implementation it wraps."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(SHARED_ATTENTION, shared_prompt_attention)
-    base = config._attn_implementation or "eager"
-    config._attn_implementation = SHARED_ATTENTION
-    try:
-        yield base
-    finally:
-        config._attn_implementation = base
-
-
-def _mask(allowed: Tensor, base: str, dtype: torch.dtype) -> Tensor:
-    """A boolean 4D mask (True: attend) in the form ``base`` takes: boolean for sdpa, additive for eager."""
-    if base != "eager":
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
-                                                                                       torch.finfo(dtype).min)
-
-
 def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                     completion_mask: Tensor, *, distinct: tuple[Tensor, Tensor] | None) -> Tensor:
     """[n, C, H] hidden states predicting each completion token, through compiled layers: with
@@ -100,7 +77,12 @@ def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, c
     a model :func:`grpo_engine.sampling.static.supports_static` accepts, the prompt once per distinct
     prompt (module docstring); else the whole [prompt, completion] of each row."""
     from grpo_engine.logprobs import position_ids_from_mask
-    from grpo_engine.sampling.static import supports_static
+    from grpo_engine.sampling.static import (
+        attention_implementation,
+        attention_mask,
+        prompt_attention,
+        supports_static,
+    )
 
     decoder = model.get_decoder()
     n, width = prompt_ids.shape
@@ -113,22 +95,22 @@ def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, c
     first, inverse = distinct
     device, dtype = prompt_ids.device, model.get_input_embeddings().weight.dtype  # (a 4-bit base: not its)
     head_mask = prompt_mask[first]  # [u, P]
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    # a query attends to earlier real tokens, and to itself (a padding query then stays finite)
-    head_allowed = (causal & head_mask[:, None, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
     length = completion_ids.shape[1]
     allowed = torch.cat([prompt_mask[:, None, None, :].expand(n, 1, length, width),
                          torch.ones(length, length, dtype=torch.bool, device=device).tril()
                          & completion_mask[:, None, None, :]], dim=-1)  # [n, 1, C, P + C]
     record: list[tuple[Tensor, Tensor]] = []
-    with _shared_attention(decoder.config) as base:
-        head = decoder(input_ids=prompt_ids[first], attention_mask=_mask(head_allowed, base, dtype),
+    with attention_implementation(decoder.config, SHARED_ATTENTION, shared_prompt_attention) as before:
+        base = before or "eager"
+        eager = base == "eager"
+        head = decoder(input_ids=prompt_ids[first],
+                       attention_mask=attention_mask(prompt_attention(head_mask), eager, dtype),
                        position_ids=position_ids_from_mask(head_mask.long()), use_cache=False,
                        attention_base=base, prompt_record=record)  # eager: it appends to `record`
         prompt_kv = [(key[inverse], value[inverse]) for key, value in record]  # [u, ...] -> [n, ...]
         positions = position_ids_from_mask(torch.cat([prompt_mask, completion_mask], dim=1).long())
         with compiled_layers(model, prompt_kv):
-            rest = decoder(input_ids=completion_ids, attention_mask=_mask(allowed, base, dtype),
+            rest = decoder(input_ids=completion_ids, attention_mask=attention_mask(allowed, eager, dtype),
                            position_ids=positions[:, width:], use_cache=False, attention_base=base)
     last_prompt = head.last_hidden_state[:, -1][inverse]  # [n, H]: predicts completion token 0
     return torch.cat([last_prompt[:, None], rest.last_hidden_state[:, :-1]], dim=1)

@@ -31,7 +31,7 @@ from grpo_engine.logprobs import position_ids_from_mask
 from grpo_engine.sampling.decode import BAD_DISTRIBUTION, PhaseClock, TokenDraw, draw_uniforms, is_decoder_lm
 
 __all__ = ["StaticKVCache", "StaticDecoder", "decode_static", "supports_static", "static_cache_bytes",
-           "grouped_attention"]
+           "grouped_attention", "attention_implementation", "attention_mask", "prompt_attention"]
 
 Mode = Literal["eager", "compiled", "cuda_graph"]
 ATTENTION = "grpo_engine_grouped"  # the name grouped_attention is registered under in transformers
@@ -57,18 +57,40 @@ def grouped_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
 
 
 @contextlib.contextmanager
-def _grouped_attention(model: nn.Module) -> Iterator[None]:
-    """Runs the block with the model's attention layers calling :func:`grouped_attention`."""
+def attention_implementation(config, name: str, function) -> Iterator[str | None]:
+    """Runs the block with the model's attention layers calling ``function``, registered with transformers
+    as ``name``; yields the implementation it replaces, put back at the end."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION, grouped_attention)
-    config = model.config
+    AttentionInterface.register(name, function)
     before = config._attn_implementation
-    config._attn_implementation = ATTENTION
+    config._attn_implementation = name
     try:
-        yield
+        yield before
     finally:
         config._attn_implementation = before
+
+
+def _grouped_attention(model: nn.Module):
+    """Runs the block with the model's attention layers calling :func:`grouped_attention`."""
+    return attention_implementation(model.config, ATTENTION, grouped_attention)
+
+
+def prompt_attention(mask: Tensor) -> Tensor:
+    """[b, 1, P, P] which keys each query of left-padded prompts ``mask`` [b, P] attends to: the earlier
+    real tokens, and itself (a padding query then stays finite)."""
+    width, device = mask.shape[1], mask.device
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    return (causal & mask[:, None, None, :].bool()) | torch.eye(width, dtype=torch.bool, device=device)
+
+
+def attention_mask(allowed: Tensor, eager: bool, dtype: torch.dtype) -> Tensor:
+    """The boolean 4D mask ``allowed`` (True: attend) in the form the model's attention takes: boolean for
+    sdpa, additive (0 / the dtype's min) for eager attention."""
+    if not eager:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                       torch.finfo(dtype).min)
 
 
 def supports_static(model: nn.Module) -> str | None:
@@ -193,12 +215,8 @@ class StaticDecoder:
         head = StaticKVCache(b, max(p - 1, 0), device)
         if p > 1:
             head_mask = mask[:, :-1]
-            causal = torch.ones(p - 1, p - 1, dtype=torch.bool, device=device).tril()
-            # a query attends to earlier real tokens, and to itself (a padding query then stays finite)
-            allowed = ((causal & head_mask[:, None, None, :])
-                       | torch.eye(p - 1, dtype=torch.bool, device=device))
-            self._forward(ids[:, :-1], self._mask(allowed), position_ids_from_mask(head_mask), head,
-                          logits_to_keep=1)
+            allowed = attention_mask(prompt_attention(head_mask), self.eager_attention, self.dtype)
+            self._forward(ids[:, :-1], allowed, position_ids_from_mask(head_mask), head, logits_to_keep=1)
         self.cache = head.repeated(repeats, self.width)
         if not self.cache.keys:  # one-token prompts: nothing prefilled; allocate before any step is traced
             config = model.config
@@ -222,13 +240,6 @@ class StaticDecoder:
         self.ids = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
         self.logprobs = (torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
                          if draw.logprobs else None)
-
-    def _mask(self, allowed: Tensor) -> Tensor:
-        """The 4D mask the model's own attention takes: boolean for sdpa, additive (0 / min) for eager."""
-        if not self.eager_attention:
-            return allowed
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(self.dtype).min)
 
     def _forward(self, ids: Tensor, attention: Tensor, position: Tensor, cache: StaticKVCache, *,
                  logits_to_keep: int) -> Tensor:
