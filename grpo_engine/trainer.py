@@ -74,8 +74,7 @@ class GRPOTrainer:
         config: numbers and switches of the run.
         memory: how the model is held and trained (LoRA, checkpointing, optimizer, micro-batch, sharding).
         tokenizer: required when ``model`` is a module.
-        sampler: a ``Sampler`` (default ``HFSampler`` on the policy), or a ``GroupFilter``
-            (``DynamicSampling``) on the default sampler's groups.
+        sampler: a ``Sampler`` (default ``HFSampler``) or a ``GroupFilter`` (``DynamicSampling``) on it.
         tools, environment_factory: TRL's: functions to call, one environment per rollout (docs/tools.md).
         advantage: defaults to ``GroupNormalized()`` (group z-score).
         loss: defaults to ``ClippedSurrogate()`` (PPO clip 0.2, per-sequence mean, no KL).
@@ -337,7 +336,8 @@ class GRPOTrainer:
             self.model, self.tokenizer, template=template, max_prompt_tokens=cfg.max_prompt_tokens,
             max_completion_tokens=cfg.max_completion_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, share_prompt=memory.share_prompt, merge_lora=memory.merge_lora_for_sampling,
-            decoding=memory.decoding, return_logprobs=reads_logprobs)
+            decoding=memory.decoding, pack_weights=memory.pack_weights_for_sampling,
+            return_logprobs=reads_logprobs)
         exact_forward = memory.lora is None or memory.lora.dropout == 0  # no dropout: the sampling policy's
         self.old_logprobs = OldLogprobs.plan(
             updates_per_batch=cfg.updates_per_batch, exact_forward=exact_forward,

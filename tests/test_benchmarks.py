@@ -231,3 +231,15 @@ def test_versions_and_hardware_describe_the_run():
     assert set(versions) == {"python", "torch", "transformers", "peft", "trl", "accelerate"}
     assert versions["torch"] and versions["trl"] == (importlib.metadata.version("trl") if HAS_TRL else None)
     assert _harness.hardware("cpu").endswith(f"{os.cpu_count()} logical cores")
+
+
+def test_the_sampler_ab_alternates_both_settings_and_reports_their_ratio(capsys):
+    import sampler_ab
+
+    assert sampler_ab.main(["--decoding", "dynamic", "--tokens", "4", "--calls", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["rows"] == 8 and len(result["off_s"]) == len(result["on_s"]) == 1  # two calls are warm-up
+    assert result["ratio"] == pytest.approx(result["on_s"][0] / result["off_s"][0])
+    with pytest.raises(SystemExit):
+        sampler_ab.main(["--setting", "merge_lora"])
+    assert "needs an adapter to merge: pass --lora-r 16" in capsys.readouterr().err

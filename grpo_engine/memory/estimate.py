@@ -5,7 +5,8 @@ shape (its transformers config), the ``MemoryPlan`` and the workload. The peak i
 
     resident  = weights + adapters + optimizer state (+ a frozen reference copy under full FT + KL)
     sampling  = resident + KV cache of B*G rows x (P + C) tokens + per-step logits [B*G, V] fp32
-                (+ a merged copy of the adapted weights with merge_lora_for_sampling)
+                (+ a merged copy of the adapted weights with merge_lora_for_sampling,
+                a packed copy of the large linear weights with pack_weights_for_sampling)
     training  = resident + gradients + saved activations of one micro-batch + one layer's backward
                 + one tile of lm_head logits (chunk x tile fp32, x3: logits, exp, gradient)
     optimizer = resident + gradients + the update's temporaries
@@ -33,6 +34,7 @@ __all__ = ["ModelShape", "Workload", "MemoryEstimate", "estimate_memory",
            "KNOWN_SHAPES", "GIB"]
 
 GIB = 1024**3
+PACK_MIN = 1 << 17  # grpo_engine.sampling.packed.MIN_ELEMENTS: the smallest weight packed for sampling
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # NF4: 4 bits per weight, one fp8 absmax per 64-weight block, and (double quantisation) one fp32
 # scale per 256 blocks: 0.5 + 1/64 + 4/(64*256) bytes per quantised weight.
@@ -300,12 +302,17 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
     merged = (s.layers * sum(i * o for i, o in s.adapted_shapes(plan.lora))
               if plan.merge_lora_for_sampling else 0)
     parts["merged_weights"] = merged * dt
+    # pack_weights_for_sampling: a packed float32 copy of every linear weight large enough to pack
+    # (a 4-bit layer is not packed: then only the output head)
+    packed = [(s.hidden, s.vocab)] + (s.linear_shapes() * s.layers if plan.quantization is None else [])
+    parts["packed_weights"] = 4 * sum(i * o for i, o in packed if i * o >= PACK_MIN) \
+        if plan.pack_weights_for_sampling else 0
     if sampler == "vllm":  # the engine's own share holds its weights and KV cache; no forward pass here
-        parts.update(kv_cache=0, sampling_logits=0, merged_weights=0)
+        parts.update(kv_cache=0, sampling_logits=0, merged_weights=0, packed_weights=0)
         sampling = resident + gathered
     else:
         sampling = (resident + parts["kv_cache"] + parts["sampling_logits"] + parts["merged_weights"]
-                    + parts["autocast_weights"] + gathered)
+                    + parts["packed_weights"] + parts["autocast_weights"] + gathered)
 
     # training: gradients, saved activations of one micro-batch, one layer's backward, one logits tile
     parts["gradients"] = trainable * grad_bytes

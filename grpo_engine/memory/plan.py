@@ -7,6 +7,7 @@ adapters), ``gradient_checkpointing``, ``offload_activations`` (saved tensors in
 ``optimizer`` (``adamw``, bitsandbytes ``adamw8bit``, or ``paged_adamw`` / ``paged_adamw8bit`` in unified
 memory), ``share_prompt`` (a group's prompt runs once: in sampling, and in training unless checkpointed),
 ``merge_lora_for_sampling`` (a temporary merged copy of the adapted float32 weights while sampling),
+``pack_weights_for_sampling`` (CPU: the large float32 linear weights packed for oneDNN while sampling),
 ``decoding`` (``auto``: ``cuda_graph`` on a GPU, ``dynamic`` on the CPU; or ``dynamic``, ``static``,
 ``compiled``, ``cuda_graph``), ``compile_training`` (the training pass's decoder layers through
 ``torch.compile``), ``micro_batch_size`` (completions per forward/backward; the accumulated
@@ -118,6 +119,11 @@ class MemoryPlan(FrozenModel):
         "of the adapted weights: faster decoding for one copy of those weights while sampling "
         "(float32 base weights, no quantization)."
     )
+    pack_weights_for_sampling: bool = Field(
+        False, description="CPU only: sample with each large float32 linear weight packed once per sampling "
+        "call into oneDNN's layout (grpo_engine.sampling.packed): faster decoding steps for one packed copy "
+        "of those weights while sampling."
+    )
     decoding: Literal["auto", "dynamic", "static", "compiled", "cuda_graph"] = Field(
         "auto", description="Sampling's decoding path: auto (a CUDA graph over a static KV cache on a GPU, "
         "the dynamic loop that drops finished rows on the CPU), dynamic, static, "
@@ -169,6 +175,11 @@ class MemoryPlan(FrozenModel):
                              f"(got lora={'set' if self.lora else None}, dtype={self.dtype!r}, "
                              f"quantization={self.quantization!r}): a merged 4-bit or half-precision weight "
                              "would lose small LoRA updates; set merge_lora_for_sampling=False")
+        if self.pack_weights_for_sampling and (self.dtype != "float32" or self.sharding != "none"
+                                               or self.compute_dtype not in (None, "float32")):
+            raise ValueError(f"pack_weights_for_sampling=True with dtype={self.dtype!r}, compute_dtype="
+                             f"{self.compute_dtype!r} and sharding={self.sharding!r}: packing is for float32 "
+                             "weights computed in float32, unsharded; set pack_weights_for_sampling=False")
         if self.compile_training and (self.quantization is not None or self.sharding != "none"):
             raise ValueError(f"compile_training=True with quantization={self.quantization!r} and "
                              f"sharding={self.sharding!r}: compiling the training pass is not supported with "

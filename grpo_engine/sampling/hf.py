@@ -37,6 +37,7 @@ from grpo_engine.sampling.decode import (
     seeded_rng,
 )
 from grpo_engine.sampling.merge import check_mergeable, merged_lora
+from grpo_engine.sampling.packed import packable_layers, packed_linears, packing_available
 from grpo_engine.sampling.static import decode_static, supports_static
 from grpo_engine.types import Draws, Prompt, RolloutBatch
 
@@ -65,6 +66,21 @@ def resolve_decoding(decoding: str, model: nn.Module, device: torch.device) -> s
         raise ValueError(f"decoding='cuda_graph' needs a CUDA device, the model is on {device}; use "
                          "'static', 'compiled' or 'auto'")
     return decoding
+
+
+def _check_packable(model: nn.Module) -> None:
+    """Raises ValueError unless :func:`~grpo_engine.sampling.packed.packed_linears` can pack some of
+    ``model``'s layers (float32 weights on the CPU, a torch build with oneDNN)."""
+    device = next(model.parameters()).device
+    why = None
+    if device.type != "cpu":
+        why = f"the model is on {device}, and packing is for CPU decoding"
+    elif not packing_available():
+        why = "this torch build has no oneDNN (mkldnn) CPU backend"
+    elif not packable_layers(model):
+        why = "the model has no plain float32 nn.Linear large enough to pack"
+    if why:
+        raise ValueError(f"pack_weights_for_sampling=True: {why}; set pack_weights_for_sampling=False")
 
 
 class _TemperatureRecorder(LogitsProcessor):
@@ -130,6 +146,9 @@ class HFSampler:
             adapted weights while sampling; float32 base weights only.
         decoding: ``"auto"``, ``"dynamic"``, ``"static"``, ``"compiled"`` or ``"cuda_graph"`` (see
             the module docstring and :func:`resolve_decoding`).
+        pack_weights: CPU only: sample with the large float32 linear weights packed once per call
+            (:func:`~grpo_engine.sampling.packed.packed_linears`): faster decoding for one packed copy
+            of those weights while sampling.
 
     Each ``sample()`` call seeds its token draws with ``draws.seed`` (by default one number taken
     from torch's global RNG, so ``torch.manual_seed`` fixes the samples), each step drawing for every
@@ -159,6 +178,7 @@ class HFSampler:
         share_prompt: bool = True,
         merge_lora: bool = False,
         decoding: str = "auto",
+        pack_weights: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -174,6 +194,9 @@ class HFSampler:
         if decoding not in DECODING_PATHS:
             raise ValueError(f"decoding={decoding!r} is not one of {', '.join(DECODING_PATHS)}; use 'auto'")
         self.decoding = decoding
+        self.pack_weights = pack_weights
+        if pack_weights:
+            _check_packable(model)
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
         # the last call's decoding path ("path"), and a CUDA-graph capture error
         self.last_decoding: dict = {}
@@ -256,7 +279,9 @@ class HFSampler:
         was_training = self.model.training
         self.model.eval()
         try:
-            with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
+            with (merged_lora(self.model) if self.merge_lora else contextlib.nullcontext(),
+                  packed_linears(self.model, rows=len(prompts) * group_size) if self.pack_weights
+                  else contextlib.nullcontext()):
                 if is_decoder_lm(self.model):
                     shared = self.share_prompt and group_size > 1
                     path = resolve_decoding(self.decoding, self.model, device)

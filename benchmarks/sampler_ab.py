@@ -1,0 +1,87 @@
+"""One sampler setting off and on, in one process: ``HFSampler.sample`` calls alternating between the two.
+
+    python benchmarks/sampler_ab.py [--setting pack_weights] [--shape llama-small] [--decoding compiled]
+        [--prompts 2] [--group-size 4] [--prompt-tokens 32] [--tokens 64] [--calls 12] [--lora-r 0]
+
+The machines these benchmarks run on drift by 20% between runs a minute apart, which hides a 15%
+change between two perf.py runs. Here both settings sample the same random-init model (the shapes of
+``_models.SHAPES``, every completion full-length) with the same prompts and seeds, call after call in
+turn, so a drift hits both alike. The first two calls of each are warm-up (a compile, for
+``--decoding compiled``); the figure is the median of the others and their ratio (on / off). Settings:
+``pack_weights`` (``MemoryPlan.pack_weights_for_sampling``), ``merge_lora``
+(``merge_lora_for_sampling``; needs ``--lora-r``). One torch thread, as perf.py's CPU presets; run it
+alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import _harness  # noqa: F401  (puts the repository on sys.path)
+import torch
+from _models import SHAPES, build_model, make_prompts, word_tokenizer
+
+from grpo_engine.data.templates import PlainTemplate
+from grpo_engine.sampling import HFSampler
+from grpo_engine.types import Prompt
+
+SETTINGS = ("pack_weights", "merge_lora")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setting", choices=SETTINGS, default="pack_weights")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-small")
+    parser.add_argument("--decoding", default="compiled", help="MemoryPlan.decoding of both samplers")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64, help="completion tokens (every one is generated)")
+    parser.add_argument("--calls", type=int, default=12, help="calls per setting, the first 2 not counted")
+    parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on every linear layer (0: none)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.calls < 3:
+        parser.error(f"--calls {args.calls}: at least 3 (two are warm-up)")
+    if args.setting == "merge_lora" and not args.lora_r:
+        parser.error("--setting merge_lora needs an adapter to merge: pass --lora-r 16")
+
+    torch.set_num_threads(args.threads)
+    shape = SHAPES[args.shape]
+    model, tokenizer = build_model(shape), word_tokenizer(shape.vocab)
+    if args.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,
+                                                 target_modules="all-linear"))
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # a non-zero adapter, as after training
+                torch.nn.init.normal_(param, std=0.02)
+    prompts = [Prompt(t) for t in make_prompts(args.prompts, args.prompt_tokens, shape.vocab)]
+    common = dict(template=PlainTemplate("{question}"), max_prompt_tokens=args.prompt_tokens,
+                  max_completion_tokens=args.tokens, decoding=args.decoding)
+    samplers = {on: HFSampler(model, tokenizer, **common, **{args.setting: on}) for on in (False, True)}
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    for call in range(args.calls):
+        for on in (False, True):
+            torch.manual_seed(call)
+            start = time.perf_counter()
+            samplers[on].sample(prompts, group_size=args.group_size)
+            if call >= 2:
+                seconds[on].append(time.perf_counter() - start)
+    off, on = (statistics.median(seconds[k]) for k in (False, True))
+    rows = args.prompts * args.group_size
+    print(f"{args.shape}, {rows} rows x {args.tokens} tokens, decoding={args.decoding}, {args.setting}: "
+          f"off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms per sample() call (medians of {args.calls - 2}), "
+          f"on / off {on / off:.2f}")
+    print(json.dumps({"setting": args.setting, "shape": args.shape, "decoding": args.decoding, "rows": rows,
+                      "tokens": args.tokens, "off_s": seconds[False], "on_s": seconds[True],
+                      "median_off_s": off, "median_on_s": on, "ratio": on / off}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
