@@ -77,6 +77,68 @@ def test_with_autograd_a_packed_layer_falls_back_to_f_linear(pack_everything):
     assert layer.weight.grad is not None and x.grad is not None
 
 
+def test_frozen_weights_are_packed_once_and_again_only_when_their_data_change(pack_everything, monkeypatch):
+    frozen, trained = nn.Linear(16, 8), nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    model, x, keep, packs = nn.Sequential(frozen, trained), torch.randn(4, 16), {}, []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(packed.torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda w, rows: packs.append(w.data_ptr()) or reorder(w, rows))
+
+    def run() -> list[int]:
+        packs.clear()
+        with torch.no_grad():
+            expected = model(x)
+            with packed.packed_linears(model, rows=4, keep=keep):
+                torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+        return list(packs)
+
+    assert run() == [frozen.weight.data_ptr(), trained.weight.data_ptr()]
+    assert run() == [trained.weight.data_ptr()]  # the frozen copy was kept; the trained one packed again
+    frozen.weight.data = frozen.weight.data + 1  # another tensor at the same version (as merged_lora swaps)
+    assert run() == [frozen.weight.data_ptr(), trained.weight.data_ptr()]
+    with torch.no_grad():
+        frozen.weight.mul_(2)  # changed in place: the same storage, its version counter moves
+    assert run() == [frozen.weight.data_ptr(), trained.weight.data_ptr()]
+    assert run() == [trained.weight.data_ptr()]
+    assert not packed._PACKED and list(keep) == [id(frozen.weight)]
+    frozen.requires_grad_(True)  # now trained: its kept copy is dropped
+    assert len(run()) == 2 and keep == {}
+
+
+def test_a_lora_sampler_keeps_its_base_weights_packed_between_calls(pack_everything, monkeypatch):
+    """Unmerged LoRA: the base weights are packed at the first call only, and every call draws the
+    unpacked sampler's tokens; with merged adapters nothing is kept."""
+    from peft import LoraConfig, get_peft_model
+
+    tok = char_tokenizer()
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(tiny_llama(len(tok), hidden=64), config)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.1)
+    prompts = [Prompt("7*8", "56"), Prompt("100-1", "99")]
+    packs = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(packed.torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda w, rows: packs.append(1) or reorder(w, rows))
+    kw = dict(template=PlainTemplate("Q:{question}\nA:"), max_completion_tokens=6, temperature=0.7)
+    plain, kept, merged = (HFSampler(model, tok, **kw, pack_weights=pack, merge_lora=merge)
+                           for pack, merge in ((False, False), (True, False), (True, True)))
+    layers = len(packed.packable_layers(model))  # every linear of the base, the adapters' too
+    for call in range(2):
+        packs.clear()
+        torch.manual_seed(call)
+        expected = plain.sample(prompts, group_size=2)
+        torch.manual_seed(call)
+        got = kept.sample(prompts, group_size=2)
+        assert torch.equal(got.completion_ids, expected.completion_ids)
+        frozen = sum(1 for m in packed.packable_layers(model) if not m.weight.requires_grad)
+        assert len(packs) == (layers if call == 0 else layers - frozen)
+        assert 0 < frozen < layers
+    assert merged._kept_packs is None
+
+
 def test_a_packed_sampler_draws_the_unpacked_tokens(pack_everything):
     tok = char_tokenizer()
     model = tiny_llama(len(tok), hidden=64)
@@ -144,7 +206,7 @@ def test_packing_is_refused_where_it_cannot_run():
             MemoryPlan(pack_weights_for_sampling=True, **plan)
 
 
-def test_the_estimate_counts_one_packed_copy_of_the_large_weights_while_sampling():
+def test_the_estimate_counts_one_packed_copy_of_the_large_weights():
     # hidden 512, FFN 1024: q and o (512 x 512) and gate, up, down (512 x 1024) are packed, k and v
     # (512 x 128) are not; the head 512 x 4096 is
     shape = ModelShape(vocab=4096, hidden=512, intermediate=1024, layers=2, heads=8, kv_heads=2,
@@ -159,3 +221,11 @@ def test_the_estimate_counts_one_packed_copy_of_the_large_weights_while_sampling
     nf4 = MemoryPlan(lora=LoRA(), quantization="nf4", pack_weights_for_sampling=True)
     qlora = estimate_memory(shape, nf4, work)
     assert qlora.parts["packed_weights"] == 4 * 512 * 4096  # the 4-bit layers are not packed
+    # unmerged LoRA keeps its frozen base packed between calls: the copy counts in every phase
+    for merge, kept in ((False, expected), (True, 0)):
+        lora = dict(lora=LoRA(), merge_lora_for_sampling=merge)
+        base = estimate_memory(shape, MemoryPlan(**lora), work)
+        on = estimate_memory(shape, MemoryPlan(pack_weights_for_sampling=True, **lora), work)
+        assert on.phases["sampling"] - base.phases["sampling"] == expected
+        assert on.phases["training"] - base.phases["training"] == kept
+        assert on.phases["optimizer"] - base.phases["optimizer"] == kept

@@ -6,7 +6,8 @@ shape (its transformers config), the ``MemoryPlan`` and the workload. The peak i
     resident  = weights + adapters + optimizer state (+ a frozen reference copy under full FT + KL)
     sampling  = resident + KV cache of B*G rows x (P + C) tokens + per-step logits [B*G, V] fp32
                 (+ a merged copy of the adapted weights with merge_lora_for_sampling,
-                a packed copy of the large linear weights with pack_weights_for_sampling)
+                a packed copy of the large linear weights with pack_weights_for_sampling: kept in
+                every phase under unmerged LoRA, whose frozen base is packed once)
     training  = resident + gradients + saved activations of one micro-batch + one layer's backward
                 + one tile of lm_head logits (chunk x tile fp32, x3: logits, exp, gradient)
     optimizer = resident + gradients + the update's temporaries
@@ -307,8 +308,11 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
     packed = [(s.hidden, s.vocab)] + (s.linear_shapes() * s.layers if plan.quantization is None else [])
     parts["packed_weights"] = 4 * sum(i * o for i, o in packed if i * o >= PACK_MIN) \
         if plan.pack_weights_for_sampling else 0
+    # the frozen base of unmerged LoRA stays packed between sampling calls: in every phase
+    kept_packs = parts["packed_weights"] if plan.lora is not None and not plan.merge_lora_for_sampling else 0
     if sampler == "vllm":  # the engine's own share holds its weights and KV cache; no forward pass here
         parts.update(kv_cache=0, sampling_logits=0, merged_weights=0, packed_weights=0)
+        kept_packs = 0
         sampling = resident + gathered
     else:
         sampling = (resident + parts["kv_cache"] + parts["sampling_logits"] + parts["merged_weights"]
@@ -337,13 +341,13 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
     tile = min(plan.logprob_vocab_tile or s.vocab, s.vocab)
     parts["logprob_tile"] = chunk * tile * 4 * 3
     training = (resident + parts["gradients"] + saved + one_layer + parts["logprob_tile"]
-                + parts["autocast_weights"] + gathered_layers)
+                + parts["autocast_weights"] + gathered_layers + kept_packs)
 
     # optimizer step: the fused AdamW (build_optimizer's choice) makes no temporaries; under FSDP2, full
     # fine-tuning's shards beside the whole head take the per-tensor AdamW: two temporaries of its largest
     parts["optimizer_temporaries"] = (2 * whole * state_dtype_bytes
                                       if k > 1 and plan.lora is None and not eight_bit else 0)
-    optimizer = resident + parts["gradients"] + parts["optimizer_temporaries"]
+    optimizer = resident + parts["gradients"] + parts["optimizer_temporaries"] + kept_packs
     return MemoryEstimate(
         parts=parts, phases={"sampling": sampling, "training": training, "optimizer": optimizer}
     )

@@ -146,9 +146,9 @@ class HFSampler:
             adapted weights while sampling; float32 base weights only.
         decoding: ``"auto"``, ``"dynamic"``, ``"static"``, ``"compiled"`` or ``"cuda_graph"`` (see
             the module docstring and :func:`resolve_decoding`).
-        pack_weights: CPU only: sample with the large float32 linear weights packed once per call
-            (:func:`~grpo_engine.sampling.packed.packed_linears`): faster decoding for one packed copy
-            of those weights while sampling.
+        pack_weights: CPU only: sample with the large float32 linear weights packed into oneDNN's
+            layout (:func:`~grpo_engine.sampling.packed.packed_linears`): the trained weights at every
+            call, the frozen ones (LoRA's base, unless ``merge_lora``) once, their copies kept.
 
     Each ``sample()`` call seeds its token draws with ``draws.seed`` (by default one number taken
     from torch's global RNG, so ``torch.manual_seed`` fixes the samples), each step drawing for every
@@ -195,6 +195,9 @@ class HFSampler:
             raise ValueError(f"decoding={decoding!r} is not one of {', '.join(DECODING_PATHS)}; use 'auto'")
         self.decoding = decoding
         self.pack_weights = pack_weights
+        # the packed copies of the frozen weights (LoRA's base), kept between calls; under merge_lora the
+        # adapted weights are new tensors at every call, so nothing is kept
+        self._kept_packs: dict | None = None if merge_lora else {}
         if pack_weights:
             _check_packable(model)
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
@@ -280,8 +283,8 @@ class HFSampler:
         self.model.eval()
         try:
             with (merged_lora(self.model) if self.merge_lora else contextlib.nullcontext(),
-                  packed_linears(self.model, rows=len(prompts) * group_size) if self.pack_weights
-                  else contextlib.nullcontext()):
+                  packed_linears(self.model, rows=len(prompts) * group_size, keep=self._kept_packs)
+                  if self.pack_weights else contextlib.nullcontext()):
                 if is_decoder_lm(self.model):
                     shared = self.share_prompt and group_size > 1
                     path = resolve_decoding(self.decoding, self.model, device)

@@ -1,4 +1,4 @@
-"""Sampling on the CPU with the large linear weights packed once per call (oneDNN's blocked layout).
+"""Sampling on the CPU with the large linear weights in oneDNN's packed (blocked) layout.
 
 A decoding step multiplies a few rows (one token per live row) by every weight matrix of the model.
 torch's default CPU matmul repacks the weight into its kernel's layout on every call, so a step
@@ -8,16 +8,19 @@ with its weight reordered once, when the block starts, and every step of the cal
 packed copy: on 2 CPU cores SmolLM2-135M's 32-row step lm_head took 31 ms instead of 59 ms.
 
 - The packed copies are taken when the block starts; a weight changed inside the block is not seen
-  (sampling changes none). The stored weights are never written.
+  (sampling changes none). The stored weights are never written. Given a ``keep`` dict, the copies
+  of the weights that train nothing (LoRA's base) stay in it between blocks and are packed again
+  only when their data change.
 - Only plain ``nn.Linear`` layers with a float32 weight of at least :data:`MIN_ELEMENTS` elements, on
-  the CPU: smaller matrices are as fast unpacked; 4-bit and 8-bit layers are subclasses and are left
+  the CPU: smaller matrices measured slower packed; 4-bit and 8-bit layers are subclasses and are left
   alone, as are layers whose ``forward`` is already replaced on the instance (accelerate's hooks).
 - A packed layer computes the same products in another order: outputs differ from ``F.linear`` by
   float32 rounding (about 1e-6 relative), so a token draw near a boundary may differ.
 - With autograd recording, a layer falls back to ``F.linear``: the block is for sampling only.
 - The packed matmul is the custom op ``grpo_engine::packed_linear``, so ``decoding="compiled"``
   calls it from inside the compiled step.
-- Memory: one packed copy of those weights while the block runs.
+- Memory: one packed copy of those weights while the block runs; the frozen ones' copies stay in
+  ``keep`` while it lives.
 """
 
 from __future__ import annotations
@@ -73,11 +76,26 @@ def _forward(layer: nn.Linear):
     return forward
 
 
+def _frozen_copy(weight: Tensor, keep: dict[int, tuple], rows: int) -> Tensor:
+    """The packed copy of a weight that trains nothing, from ``keep`` while the weight still holds the
+    same storage, unchanged (its version counter); packed and kept otherwise. The kept entry holds the
+    storage it was packed from, so no other tensor can take its address while the entry lives."""
+    storage, version = weight.untyped_storage(), weight._version
+    entry = keep.get(id(weight))
+    if entry is not None and entry[0].data_ptr() == storage.data_ptr() and entry[1] == version:
+        return entry[2]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    keep[id(weight)] = (storage, version, packed)
+    return packed
+
+
 @contextmanager
-def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
+def packed_linears(model: nn.Module, rows: int, keep: dict[int, tuple] | None = None) -> Iterator[int]:
     """Runs the block with every layer of :func:`packable_layers` computing through a packed copy of
     its weight; yields how many layers were packed. ``rows``: the rows a step multiplies, the size
-    oneDNN packs for (other sizes run too).
+    oneDNN packs for (other sizes run too). ``keep``: a dict, empty at first, that keeps the packed
+    copies of weights that do not require gradients (LoRA's base) from one block to the next, so they
+    are packed again only when their data change; the trained weights are packed at every block.
 
     Raises:
         RuntimeError: this torch build has no oneDNN (:func:`packing_available`).
@@ -94,12 +112,18 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
         raise RuntimeError("packing weights for sampling needs torch's oneDNN (mkldnn) CPU backend, which "
                            "this torch build lacks; set MemoryPlan(pack_weights_for_sampling=False)")
     layers, owned = packable_layers(model), []
+    if keep is not None:  # only the frozen weights packed now stay kept
+        frozen = {id(layer.weight) for layer in layers if not layer.weight.requires_grad}
+        for gone in set(keep) - frozen:
+            del keep[gone]
     try:
         with torch.no_grad():
             for layer in layers:
-                key = layer.weight.data_ptr()
+                key, weight = layer.weight.data_ptr(), layer.weight
                 if key not in _PACKED:  # a tied weight (or a nested block) packs once
-                    _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(layer.weight, rows)
+                    kept = keep is not None and not weight.requires_grad
+                    _PACKED[key] = (_frozen_copy(weight, keep, rows) if kept
+                                    else torch.ops.mkldnn._reorder_linear_weight(weight, rows))
                     owned.append(key)
                 layer.forward = _forward(layer)
         yield len(layers)
