@@ -120,9 +120,10 @@ class MemoryPlan(FrozenModel):
         "(float32 base weights, no quantization)."
     )
     pack_weights_for_sampling: bool = Field(
-        False, description="CPU only: sample with each large float32 linear weight packed once per sampling "
-        "call into oneDNN's layout (grpo_engine.sampling.packed): faster decoding steps for one packed copy "
-        "of those weights while sampling."
+        False, description="CPU only: sample with each large float32 linear weight in oneDNN's packed layout "
+        "(grpo_engine.sampling.packed), the trained weights packed at every sampling call and a frozen LoRA "
+        "base once per run: faster decoding steps for one packed copy of those weights (kept for the run "
+        "under unmerged LoRA)."
     )
     decoding: Literal["auto", "dynamic", "static", "compiled", "cuda_graph"] = Field(
         "auto", description="Sampling's decoding path: auto (a CUDA graph over a static KV cache on a GPU, "
