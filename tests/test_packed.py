@@ -155,7 +155,7 @@ def test_a_packed_sampler_draws_the_unpacked_tokens(pack_everything):
     assert not packed._PACKED and all("forward" not in vars(m) for m in model.modules())
 
 
-def test_the_compiled_step_calls_the_packed_op_without_recompiling(pack_everything):
+def test_the_compiled_step_calls_the_packed_op_without_recompiling(pack_everything, monkeypatch):
     """torch.compile of the step (about 30 s on 2 cores): two calls with packing, then one without,
     all drawing the eager tokens; the second packed call reuses the first call's graph."""
     from torch._dynamo.utils import counters
@@ -167,13 +167,17 @@ def test_the_compiled_step_calls_the_packed_op_without_recompiling(pack_everythi
     kw = dict(repeats=3, max_new_tokens=8, eos_ids=[1], pad_id=0, draw=TokenDraw(temperature=0.9))
     torch.manual_seed(0)
     eager = decode_static(model, ids, mask, **kw)
-    outputs, compiles = [], []
+    outputs, compiles, products = [], [], []
+    product = packed._product
+    monkeypatch.setattr(packed, "_product", lambda *args: products.append(1) or product(*args))
     for pack in (True, True, False):
         torch.manual_seed(0)
-        before = counters["stats"]["unique_graphs"]
+        before, products[:] = counters["stats"]["unique_graphs"], []
         with packed.packed_linears(model, rows=6) if pack else torch.no_grad():
             outputs.append(decode_static(model, ids, mask, mode="compiled", **kw))
         compiles.append(counters["stats"]["unique_graphs"] - before)
+        # every one of the 15 layers reads its packed copy in the eager prefill and in the 8 compiled steps
+        assert len(products) == (15 * (1 + 8) if pack else 0)
     for ids_out, logprobs in outputs:
         assert torch.equal(ids_out, eager[0])
         torch.testing.assert_close(logprobs, eager[1], rtol=0, atol=1e-5)
