@@ -5,7 +5,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
+from grpo_engine import LoRA, MemoryPlan
 from grpo_engine.config import ConfigError
 from grpo_engine.data import PlainTemplate
 from grpo_engine.logprobs import completion_logprobs
@@ -15,7 +15,7 @@ from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.sampling.merge import check_mergeable, merged_lora
 from grpo_engine.types import Prompt
 
-from .test_trainer import PROMPTS, TEMPLATE, DigitShare
+from .test_trainer import make_trainer
 from .tiny import char_tokenizer, tiny_llama
 
 
@@ -79,15 +79,10 @@ def test_a_merged_sampler_draws_what_the_trained_policy_would():
 
 
 def test_training_with_merged_sampling_takes_the_same_steps(tmp_path):
-    tok = char_tokenizer()
     histories = []
     for merge in (False, True):
-        trainer = GRPOTrainer(
-            tiny_llama(len(tok)), [DigitShare()], PROMPTS, tokenizer=tok, template=TEMPLATE,
-            config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=3,
-                              learning_rate=5e-2, seed=0, progress_bar=False,
-                              output_dir=str(tmp_path / str(merge))),
-            memory=MemoryPlan(lora=LoRA(r=4, alpha=8), micro_batch_size=8, merge_lora_for_sampling=merge))
+        plan = MemoryPlan(lora=LoRA(r=4, alpha=8), micro_batch_size=8, merge_lora_for_sampling=merge)
+        trainer = make_trainer(tmp_path / str(merge), memory=plan, learning_rate=5e-2)
         assert trainer.sampler.merge_lora is merge
         histories.append(trainer.train())
     plain, merged = histories

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
+from grpo_engine import LoRA, MemoryPlan
 from grpo_engine.config import ConfigError
 from grpo_engine.data import PlainTemplate
 from grpo_engine.memory.estimate import PACK_MIN, ModelShape, Workload, estimate_memory
@@ -18,7 +18,7 @@ from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.sampling.static import decode_static
 from grpo_engine.types import Prompt
 
-from .test_trainer import PROMPTS, TEMPLATE, DigitShare
+from .test_trainer import make_trainer
 from .tiny import char_tokenizer, tiny_llama
 
 pytestmark = pytest.mark.skipif(not packed.packing_available(), reason="this torch build has no oneDNN")
@@ -185,15 +185,10 @@ def test_the_compiled_step_calls_the_packed_op_without_recompiling(pack_everythi
 
 
 def test_training_with_packed_sampling_takes_the_same_steps(tmp_path, pack_everything):
-    tok = char_tokenizer()
     histories = []
     for pack in (False, True):
-        trainer = GRPOTrainer(
-            tiny_llama(len(tok)), [DigitShare()], PROMPTS, tokenizer=tok, template=TEMPLATE,
-            config=GRPOConfig(prompts_per_step=2, group_size=4, max_completion_tokens=8, max_steps=3,
-                              learning_rate=5e-2, seed=0, progress_bar=False,
-                              output_dir=str(tmp_path / str(pack))),
-            memory=MemoryPlan(lora=LoRA(r=4, alpha=8), micro_batch_size=8, pack_weights_for_sampling=pack))
+        plan = MemoryPlan(lora=LoRA(r=4, alpha=8), micro_batch_size=8, pack_weights_for_sampling=pack)
+        trainer = make_trainer(tmp_path / str(pack), memory=plan, learning_rate=5e-2)
         assert trainer.sampler.pack_weights is pack
         histories.append(trainer.train())
     plain, packed_run = histories
