@@ -2,6 +2,7 @@
 
     python benchmarks/sampler_ab.py [--setting pack_weights] [--shape llama-small] [--decoding compiled]
         [--prompts 2] [--group-size 4] [--prompt-tokens 32] [--tokens 64] [--calls 12] [--lora-r 0]
+    python benchmarks/sampler_ab.py --products [--shape qwen2.5-0.5b] [--prompts 2] [--group-size 4]
 
 The machines these benchmarks run on drift by 20% between runs a minute apart, which hides a 15%
 change between two perf.py runs. Here both settings sample the same random-init model (the shapes of
@@ -11,6 +12,10 @@ turn, so a drift hits both alike. The first two calls of each are warm-up (a com
 ``pack_weights`` (``MemoryPlan.pack_weights_for_sampling``), ``merge_lora``
 (``merge_lora_for_sampling``; needs ``--lora-r``). One torch thread, as perf.py's CPU presets; run it
 alone.
+
+``--products`` times the parts of packing instead, for each weight shape the shape packs, with
+prompts x group size rows: one plain product (``F.linear``), one with the packed copy as eager code runs
+it, the same through the custom op a compiled step calls, and the packing itself (medians).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 
 import _harness  # noqa: F401  (puts the repository on sys.path)
 import torch
+import torch.nn.functional as F
 from _models import SHAPES, build_model, make_prompts, word_tokenizer
 
 from grpo_engine.data.templates import PlainTemplate
@@ -29,6 +35,46 @@ from grpo_engine.sampling import HFSampler
 from grpo_engine.types import Prompt
 
 SETTINGS = ("pack_weights", "merge_lora")
+
+
+def _median_s(fn, seconds: float = 0.3) -> float:
+    """The median time of ``fn()`` over about ``seconds`` of calls (at least 5), after two warm-up calls."""
+    fn(), fn()
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    times = []
+    for _ in range(max(5, int(seconds / max(once, 1e-6)))):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _time_product(rows_out: int, cols: int, rows: int) -> dict:
+    from grpo_engine.sampling import packed
+
+    layer, x = torch.nn.Linear(cols, rows_out, bias=False), torch.randn(rows, cols)
+    with torch.no_grad():
+        plain = _median_s(lambda: F.linear(x, layer.weight))
+        pack = _median_s(lambda: torch.ops.mkldnn._reorder_linear_weight(layer.weight, rows), 1.0)
+        with packed.packed_linears(layer, rows=rows):
+            direct = _median_s(lambda: packed._product(x, layer.weight, None))  # what eager layers run
+            op = _median_s(lambda: packed.packed_linear(x, layer.weight, None))
+    print(f"{rows_out} x {cols}, {rows} rows: plain {plain * 1e6:.0f} us, packed {direct * 1e6:.0f} us "
+          f"({direct / plain:.2f}), through the custom op {op * 1e6:.0f} us, packing {pack * 1e3:.1f} ms "
+          f"({pack / plain:.1f} plain products)")
+    return {"shape": [rows_out, cols], "plain_s": plain, "packed_s": direct, "custom_op_s": op,
+            "pack_s": pack}
+
+
+def time_products(shape_name: str, rows: int) -> list[dict]:
+    """For each weight shape of ``shape_name`` that packing takes: the four timings of ``--products``."""
+    from grpo_engine.sampling.packed import packable_layers
+
+    model = build_model(SHAPES[shape_name])
+    shapes = sorted({tuple(m.weight.shape) for m in packable_layers(model)})
+    return [_time_product(rows_out, cols, rows) for rows_out, cols in shapes]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,13 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=12, help="calls per setting, the first 2 not counted")
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on every linear layer (0: none)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--products", action="store_true", help="time the products and the packing instead")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.products:
+        rows = args.prompts * args.group_size
+        print(json.dumps({"shape": args.shape, "rows": rows, "products": time_products(args.shape, rows)}))
+        return 0
     if args.calls < 3:
         parser.error(f"--calls {args.calls}: at least 3 (two are warm-up)")
     if args.setting == "merge_lora" and not args.lora_r:
         parser.error("--setting merge_lora needs an adapter to merge: pass --lora-r 16")
 
-    torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
     model, tokenizer = build_model(shape), word_tokenizer(shape.vocab)
     if args.lora_r:

@@ -5,7 +5,7 @@ torch's default CPU matmul repacks the weight into its kernel's layout on every 
 reads each weight, writes its packed copy and reads that again; with so few rows, this traffic is
 most of a step. Inside :func:`packed_linears` each large float32 ``nn.Linear`` is run by oneDNN
 with its weight reordered once, when the block starts, and every step of the call reads only the
-packed copy: on 2 CPU cores SmolLM2-135M's 32-row step lm_head took 31 ms instead of 59 ms.
+packed copy (``benchmarks/sampler_ab.py --products`` times both products and the packing).
 
 - The packed copies are taken when the block starts; a weight changed inside the block is not seen
   (sampling changes none). The stored weights are never written. Given a ``keep`` dict, the copies
@@ -50,7 +50,7 @@ def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear(x, weight, bias)`` [..., out] through the packed copy of ``weight`` [out, in] that an
     enclosing :func:`packed_linears` block made. What a compiled graph calls; eager code calls the
-    product directly, without the custom op's dispatch (25-40 us a call on the CPU)."""
+    product directly, without the custom op's dispatch (tens of microseconds a call on the CPU)."""
     return _product(x, weight, bias)
 
 
