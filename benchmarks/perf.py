@@ -97,6 +97,9 @@ class Preset:
     compile_training: bool = False
     # ours only (CPU): MemoryPlan(pack_weights_for_sampling=True), oneDNN-packed linear weights while sampling
     pack_weights_for_sampling: bool = False
+    # ours only (CPU, decoding="compiled"): MemoryPlan(compiled_products_for_sampling=True), the compiled
+    # step's linear products in its own loops
+    compiled_products_for_sampling: bool = False
     # torch CPU threads (None = every core). The CPU presets use 1: on a shared 2-core machine a second
     # busy process stalls a 2-thread OpenMP pool at every barrier (steps measured 5-10x slower).
     threads: int | None = None
@@ -268,7 +271,8 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
                         quantization=p.quantization, micro_batch_size=p.micro_batch_size, dtype=p.dtype,
                         compute_dtype=p.compute_dtype, decoding=p.decoding,
                         compile_training=p.compile_training,
-                        pack_weights_for_sampling=p.pack_weights_for_sampling)
+                        pack_weights_for_sampling=p.pack_weights_for_sampling,
+                        compiled_products_for_sampling=p.compiled_products_for_sampling)
     from grpo_engine.memory.estimate import Workload, estimate_memory
 
     predicted = estimate_memory(model.config, memory, Workload(
@@ -323,7 +327,8 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
                 "predicted_phases_mib": {k: v / 2**20 for k, v in predicted.phases.items()},
                 "decoding": (trainer.sampler.last_decoding.get("path") or resolve_decoding(
                     memory.decoding, trainer.model, next(trainer.model.parameters()).device))
-                + (", packed weights" if memory.pack_weights_for_sampling else ""),
+                + (", packed weights" if memory.pack_weights_for_sampling else "")
+                + (", compiled products" if memory.compiled_products_for_sampling else ""),
                 "decoding_fallback": trainer.sampler.last_decoding.get("capture_error"),
                 "prompt_sharing_in_training": memory.share_prompt and not memory.gradient_checkpointing}
 

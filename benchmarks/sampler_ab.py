@@ -10,12 +10,16 @@ change between two perf.py runs. Here both settings sample the same random-init 
 turn, so a drift hits both alike. The first two calls of each are warm-up (a compile, for
 ``--decoding compiled``); the figure is the median of the others and their ratio (on / off). Settings:
 ``pack_weights`` (``MemoryPlan.pack_weights_for_sampling``), ``merge_lora``
-(``merge_lora_for_sampling``; needs ``--lora-r``). One torch thread, as perf.py's CPU presets; run it
-alone.
+(``merge_lora_for_sampling``; needs ``--lora-r``), ``compiled_products``
+(``compiled_products_for_sampling``; needs ``--decoding compiled``). One torch thread, as perf.py's CPU
+presets; run it alone.
 
-``--products`` times the parts of packing instead, for each weight shape the shape packs, with
-prompts x group size rows: one plain product (``F.linear``), one with the packed copy as eager code runs
-it, the same through the custom op a compiled step calls, and the packing itself (medians).
+``--products`` times the products instead, for each linear weight shape of the model, with prompts x
+group size rows: one plain product (``F.linear``), one with the packed copy as eager code runs it, the
+same through the custom op a compiled step calls, and the packing itself (medians; each weight alone, so
+it stays in the CPU's caches); then every product of one step (each layer once) in one compiled function,
+as BLAS matrix products and as reductions (``compiled_products``), the weights passing through the caches
+as in a step.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from _models import SHAPES, build_model, make_prompts, word_tokenizer
 
 from grpo_engine.data.templates import PlainTemplate
 from grpo_engine.sampling import HFSampler
+from grpo_engine.sampling.compiled_products import product_as_reduction, reducible_layers
 from grpo_engine.types import Prompt
 
-SETTINGS = ("pack_weights", "merge_lora")
+SETTINGS = ("pack_weights", "merge_lora", "compiled_products")
 
 
 def _median_s(fn, seconds: float = 0.3) -> float:
@@ -69,12 +74,29 @@ def _time_product(rows_out: int, cols: int, rows: int) -> dict:
 
 
 def time_products(shape_name: str, rows: int) -> list[dict]:
-    """For each weight shape of ``shape_name`` that packing takes: the four timings of ``--products``."""
-    from grpo_engine.sampling.packed import packable_layers
-
+    """For each linear weight shape of ``shape_name``: the timings of ``--products``."""
     model = build_model(SHAPES[shape_name])
-    shapes = sorted({tuple(m.weight.shape) for m in packable_layers(model)})
+    shapes = sorted({tuple(m.weight.shape) for m in reducible_layers(model)})
     return [_time_product(rows_out, cols, rows) for rows_out, cols in shapes]
+
+
+def time_step_products(shape_name: str, rows: int) -> dict:
+    """Every linear product of one decoding step of ``shape_name`` (each layer once, in the model's
+    order), in one compiled function: as BLAS matrix products, and as reductions."""
+    model = build_model(SHAPES[shape_name])
+    weights = [m.weight.detach() for m in reducible_layers(model)]
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    kinds = {"blas": lambda x, w: F.linear(x, w), "reduction": lambda x, w: product_as_reduction(x, w, None)}
+    seconds = {}
+    with torch.no_grad():
+        for kind, product in kinds.items():
+            step = torch.compile(lambda xs, ws, product=product: [product(xs[w.shape[1]], w) for w in ws],
+                                 dynamic=False)
+            seconds[kind] = _median_s(lambda step=step: step(inputs, weights), 1.0)
+    print(f"the {len(weights)} products of one step in one compiled function, {rows} rows: BLAS "
+          f"{seconds['blas'] * 1e3:.2f} ms, reductions {seconds['reduction'] * 1e3:.2f} ms "
+          f"({seconds['reduction'] / seconds['blas']:.2f})")
+    return {"products": len(weights), "blas_s": seconds["blas"], "reduction_s": seconds["reduction"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,12 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.products:
         rows = args.prompts * args.group_size
-        print(json.dumps({"shape": args.shape, "rows": rows, "products": time_products(args.shape, rows)}))
+        print(json.dumps({"shape": args.shape, "rows": rows, "products": time_products(args.shape, rows),
+                          "step_products": time_step_products(args.shape, rows)}))
         return 0
     if args.calls < 3:
         parser.error(f"--calls {args.calls}: at least 3 (two are warm-up)")
     if args.setting == "merge_lora" and not args.lora_r:
         parser.error("--setting merge_lora needs an adapter to merge: pass --lora-r 16")
+    if args.setting == "compiled_products" and args.decoding != "compiled":
+        parser.error(f"--setting compiled_products changes the compiled step: --decoding compiled, not "
+                     f"{args.decoding!r}")
 
     shape = SHAPES[args.shape]
     model, tokenizer = build_model(shape), word_tokenizer(shape.vocab)

@@ -337,7 +337,7 @@ class GRPOTrainer:
             max_completion_tokens=cfg.max_completion_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, share_prompt=memory.share_prompt, merge_lora=memory.merge_lora_for_sampling,
             decoding=memory.decoding, pack_weights=memory.pack_weights_for_sampling,
-            return_logprobs=reads_logprobs)
+            compiled_products=memory.compiled_products_for_sampling, return_logprobs=reads_logprobs)
         exact_forward = memory.lora is None or memory.lora.dropout == 0  # no dropout: the sampling policy's
         self.old_logprobs = OldLogprobs.plan(
             updates_per_batch=cfg.updates_per_batch, exact_forward=exact_forward,

@@ -243,3 +243,17 @@ def test_the_sampler_ab_alternates_both_settings_and_reports_their_ratio(capsys)
     with pytest.raises(SystemExit):
         sampler_ab.main(["--setting", "merge_lora"])
     assert "needs an adapter to merge: pass --lora-r 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sampler_ab.main(["--setting", "compiled_products", "--decoding", "dynamic"])
+    assert "changes the compiled step: --decoding compiled, not 'dynamic'" in capsys.readouterr().err
+
+
+def test_the_sampler_ab_times_each_product_and_a_steps_products(capsys):
+    import sampler_ab
+
+    assert sampler_ab.main(["--products", "--shape", "micro", "--prompts", "1", "--group-size", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # micro: q, o 32 x 32; k, v 16 x 32; gate, up 64 x 32; down 32 x 64; the head 512 x 32
+    assert [p["shape"] for p in result["products"]] == [[16, 32], [32, 32], [32, 64], [64, 32], [512, 32]]
+    assert result["rows"] == 2 and result["step_products"]["products"] == 2 * 7 + 1
+    assert all(result["step_products"][k] > 0 for k in ("blas_s", "reduction_s"))

@@ -8,6 +8,7 @@ adapters), ``gradient_checkpointing``, ``offload_activations`` (saved tensors in
 memory), ``share_prompt`` (a group's prompt runs once: in sampling, and in training unless checkpointed),
 ``merge_lora_for_sampling`` (a temporary merged copy of the adapted float32 weights while sampling),
 ``pack_weights_for_sampling`` (CPU: the large float32 linear weights packed for oneDNN while sampling),
+``compiled_products_for_sampling`` (CPU, compiled decoding: the step's linear products in its own loops),
 ``decoding`` (``auto``: ``cuda_graph`` on a GPU, ``dynamic`` on the CPU; or ``dynamic``, ``static``,
 ``compiled``, ``cuda_graph``), ``compile_training`` (the training pass's decoder layers through
 ``torch.compile``), ``micro_batch_size`` (completions per forward/backward; the accumulated
@@ -125,6 +126,12 @@ class MemoryPlan(FrozenModel):
         "base once per run: faster decoding steps for one packed copy of those weights (kept for the run "
         "under unmerged LoRA)."
     )
+    compiled_products_for_sampling: bool = Field(
+        False, description="CPU, decoding='compiled' only: the compiled decoding step computes each float32 "
+        "linear layer's product in its own C++ loops, a multiply and a sum along each weight row, instead of "
+        "calling BLAS (grpo_engine.sampling.compiled_products): faster for a small model with few rows; no "
+        "memory."
+    )
     decoding: Literal["auto", "dynamic", "static", "compiled", "cuda_graph"] = Field(
         "auto", description="Sampling's decoding path: auto (a CUDA graph over a static KV cache on a GPU, "
         "the dynamic loop that drops finished rows on the CPU), dynamic, static, "
@@ -181,6 +188,15 @@ class MemoryPlan(FrozenModel):
             raise ValueError(f"pack_weights_for_sampling=True with dtype={self.dtype!r}, compute_dtype="
                              f"{self.compute_dtype!r} and sharding={self.sharding!r}: packing is for float32 "
                              "weights computed in float32, unsharded; set pack_weights_for_sampling=False")
+        if self.compiled_products_for_sampling and (
+                self.decoding != "compiled" or self.pack_weights_for_sampling or self.dtype != "float32"
+                or self.compute_dtype not in (None, "float32") or self.sharding != "none"):
+            raise ValueError(f"compiled_products_for_sampling=True with decoding={self.decoding!r}, "
+                             f"pack_weights_for_sampling={self.pack_weights_for_sampling}, "
+                             f"dtype={self.dtype!r}, compute_dtype={self.compute_dtype!r} and "
+                             f"sharding={self.sharding!r}: it changes the compiled decoding step of float32 "
+                             "weights computed in float32, unsharded, unpacked; set decoding='compiled' and "
+                             "pack_weights_for_sampling=False, or compiled_products_for_sampling=False")
         if self.compile_training and (self.quantization is not None or self.sharding != "none"):
             raise ValueError(f"compile_training=True with quantization={self.quantization!r} and "
                              f"sharding={self.sharding!r}: compiling the training pass is not supported with "

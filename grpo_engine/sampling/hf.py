@@ -28,6 +28,11 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from grpo_engine.data.templates import PromptTemplate, default_template
+from grpo_engine.sampling.compiled_products import (
+    compiled_products,
+    compiled_products_available,
+    reducible_layers,
+)
 from grpo_engine.sampling.decode import (
     PhaseClock,
     TokenDraw,
@@ -81,6 +86,24 @@ def _check_packable(model: nn.Module) -> None:
         why = "the model has no plain float32 nn.Linear large enough to pack"
     if why:
         raise ValueError(f"pack_weights_for_sampling=True: {why}; set pack_weights_for_sampling=False")
+
+
+def _check_reducible(model: nn.Module, decoding: str, pack_weights: bool) -> None:
+    """Raises ValueError unless :func:`~grpo_engine.sampling.compiled_products.compiled_products` can change
+    the compiled decoding step of ``model`` (float32 layers on the CPU, ``decoding='compiled'``)."""
+    device = next(model.parameters()).device
+    why = None
+    if decoding != "compiled" or pack_weights:
+        why = (f"decoding={decoding!r} and pack_weights={pack_weights}: it changes only the compiled step, "
+               "unpacked (decoding='compiled', pack_weights=False)")
+    elif device.type != "cpu":
+        why = f"the model is on {device}, and the products are compiled for CPU decoding"
+    elif not compiled_products_available():
+        why = f"torch {torch.__version__} lacks inductor's inductor_force_stride_order"
+    elif not reducible_layers(model):
+        why = "the model has no plain float32 nn.Linear"
+    if why:
+        raise ValueError(f"compiled_products=True: {why}; set compiled_products=False")
 
 
 class _TemperatureRecorder(LogitsProcessor):
@@ -149,6 +172,9 @@ class HFSampler:
         pack_weights: CPU only: sample with the large float32 linear weights packed into oneDNN's
             layout (:func:`~grpo_engine.sampling.packed.packed_linears`): the trained weights at every
             call, the frozen ones (LoRA's base, unless ``merge_lora``) once, their copies kept.
+        compiled_products: CPU, ``decoding="compiled"`` only: the compiled step computes the float32
+            linear layers' products in its own loops instead of calling BLAS
+            (:func:`~grpo_engine.sampling.compiled_products.compiled_products`).
 
     Each ``sample()`` call seeds its token draws with ``draws.seed`` (by default one number taken
     from torch's global RNG, so ``torch.manual_seed`` fixes the samples), each step drawing for every
@@ -179,6 +205,7 @@ class HFSampler:
         merge_lora: bool = False,
         decoding: str = "auto",
         pack_weights: bool = False,
+        compiled_products: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -200,6 +227,9 @@ class HFSampler:
         self._kept_packs: dict | None = None if merge_lora else {}
         if pack_weights:
             _check_packable(model)
+        self.compiled_products = compiled_products
+        if compiled_products:
+            _check_reducible(model, decoding, pack_weights)
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
         # the last call's decoding path ("path"), and a CUDA-graph capture error
         self.last_decoding: dict = {}
@@ -284,7 +314,8 @@ class HFSampler:
         try:
             with (merged_lora(self.model) if self.merge_lora else contextlib.nullcontext(),
                   packed_linears(self.model, rows=len(prompts) * group_size, keep=self._kept_packs)
-                  if self.pack_weights else contextlib.nullcontext()):
+                  if self.pack_weights else contextlib.nullcontext(),
+                  compiled_products(self.model) if self.compiled_products else contextlib.nullcontext()):
                 if is_decoder_lm(self.model):
                     shared = self.share_prompt and group_size > 1
                     path = resolve_decoding(self.decoding, self.model, device)
