@@ -2,17 +2,18 @@
 
 A decoding step multiplies a few rows (one token per live row) by every weight matrix of the model. On
 the CPU, ``torch.compile`` hands each of these products to the BLAS library as a matrix product, and
-for so few rows the library's kernel is slow (``benchmarks/sampler_ab.py --products`` times both
-kinds of product per weight shape). Inside :func:`compiled_products`,
-each float32 ``nn.Linear`` computes ``y[m, n] = sum_k w[n, k] x[m, k]`` as a multiply and a sum
-(:func:`product_as_reduction`), which inductor compiles into the step's C++ loops: one pass over each
-weight row, vectorised along it, for all rows of ``x`` at once, and fused with the products and
-element-wise work around it (the gate and up projections read their input in one loop).
+for so few rows the library's kernel is slow (``benchmarks/sampler_ab.py --products`` times one
+step's products both ways). Inside :func:`compiled_products`, each float32 ``nn.Linear`` computes
+``y[m, n] = sum_k w[n, k] x[m, k]`` as a multiply and a sum (:func:`product_as_reduction`), which
+inductor compiles into the step's C++ loops: one pass over each weight row, vectorised along it, for
+all rows of ``x`` at once, and fused with the products and element-wise work around it (the gate and
+up projections read their input in one loop).
 
 - Only while a graph is being compiled with autograd off: the eager prefill and any eager step run
   ``F.linear`` as before, so the setting changes the compiled step alone.
-- It pays where the weights stay in the CPU's caches: a small model, few rows. On a model the size of
-  Qwen2.5-0.5B the BLAS kernel was as fast with 8 rows and faster with 16 or more (docs/memory.md).
+- It pays where the weights stay in the CPU's caches: a small model, few rows. On a Qwen2.5-0.5B-shaped
+  model it gained nothing with 8 rows, and on a 5M-parameter model it was slower with 32 rows
+  (docs/memory.md).
 - The products are summed in another order: outputs differ from ``F.linear`` by float32 rounding
   (about 1e-6 relative), so a token draw near a boundary may differ.
 - Plain ``nn.Linear`` layers with a float32 weight on the CPU whose ``forward`` is not already replaced
