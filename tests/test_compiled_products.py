@@ -14,12 +14,11 @@ from grpo_engine import MemoryPlan
 from grpo_engine.config import ConfigError
 from grpo_engine.data import PlainTemplate
 from grpo_engine.sampling import compiled_products as products
-from grpo_engine.sampling.decode import TokenDraw
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.sampling.static import decode_static
 
 from .test_trainer import make_trainer
-from .tiny import char_tokenizer, tiny_llama
+from .tiny import char_tokenizer, static_decode_case, tiny_llama
 
 pytestmark = pytest.mark.skipif(not products.compiled_products_available(),
                                 reason="this torch lacks inductor_force_stride_order")
@@ -71,13 +70,7 @@ def test_the_compiled_step_computes_the_products_as_reductions():
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
-    tok = char_tokenizer()
-    model = tiny_llama(len(tok), hidden=64)
-    ids = torch.randint(4, len(tok), (2, 6))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    kw = dict(repeats=3, max_new_tokens=8, eos_ids=[1], pad_id=0, draw=TokenDraw(temperature=0.9))
-    torch.manual_seed(0)
-    eager = decode_static(model, ids, mask, **kw)
+    model, ids, mask, kw, eager = static_decode_case()
     outputs, codes, compiles = [], [], []
     for on, code_of_a_new_compile in ((True, True), (True, False), (False, True)):
         torch.manual_seed(0)

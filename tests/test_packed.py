@@ -13,13 +13,12 @@ from grpo_engine.config import ConfigError
 from grpo_engine.data import PlainTemplate
 from grpo_engine.memory.estimate import PACK_MIN, ModelShape, Workload, estimate_memory
 from grpo_engine.sampling import packed
-from grpo_engine.sampling.decode import TokenDraw
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.sampling.static import decode_static
 from grpo_engine.types import Prompt
 
 from .test_trainer import make_trainer
-from .tiny import char_tokenizer, tiny_llama
+from .tiny import char_tokenizer, static_decode_case, tiny_llama
 
 pytestmark = pytest.mark.skipif(not packed.packing_available(), reason="this torch build has no oneDNN")
 
@@ -160,13 +159,7 @@ def test_the_compiled_step_calls_the_packed_op_without_recompiling(pack_everythi
     all drawing the eager tokens; the second packed call reuses the first call's graph."""
     from torch._dynamo.utils import counters
 
-    tok = char_tokenizer()
-    model = tiny_llama(len(tok), hidden=64)
-    ids = torch.randint(4, len(tok), (2, 6))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    kw = dict(repeats=3, max_new_tokens=8, eos_ids=[1], pad_id=0, draw=TokenDraw(temperature=0.9))
-    torch.manual_seed(0)
-    eager = decode_static(model, ids, mask, **kw)
+    model, ids, mask, kw, eager = static_decode_case()
     outputs, compiles, products = [], [], []
     product = packed._product
     monkeypatch.setattr(packed, "_product", lambda *args: products.append(1) or product(*args))

@@ -54,3 +54,19 @@ def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 1
     return model.eval()
+
+
+def static_decode_case(hidden: int = 64):
+    """A tiny Llama and the arguments of a static decoding call (2 prompts of 6 tokens, 3 rows each, 8
+    new tokens at temperature 0.9), with the eager path's (ids, log-probs) drawn after seed 0:
+    ``model, ids, mask, kwargs, eager``."""
+    from grpo_engine.sampling.decode import TokenDraw
+    from grpo_engine.sampling.static import decode_static
+
+    tok = char_tokenizer()
+    model = tiny_llama(len(tok), hidden=hidden)
+    ids = torch.randint(4, len(tok), (2, 6))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    kw = dict(repeats=3, max_new_tokens=8, eos_ids=[1], pad_id=0, draw=TokenDraw(temperature=0.9))
+    torch.manual_seed(0)
+    return model, ids, mask, kw, decode_static(model, ids, mask, **kw)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grpo_engine.sampling.packed import plain_float32_linears
+
 __all__ = ["compiled_products", "product_as_reduction", "compiled_products_available", "reducible_layers"]
 
 
@@ -70,11 +72,9 @@ def product_as_reduction(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tens
 
 
 def reducible_layers(model: nn.Module) -> list[nn.Linear]:
-    """The layers :func:`compiled_products` changes: plain float32 ``nn.Linear`` on the CPU with no
-    ``forward`` of their own on the instance."""
-    return [m for m in model.modules()
-            if type(m) is nn.Linear and type(m.weight.data) is Tensor and m.weight.device.type == "cpu"
-            and m.weight.dtype == torch.float32 and "forward" not in vars(m)]
+    """The layers :func:`compiled_products` changes: every
+    :func:`~grpo_engine.sampling.packed.plain_float32_linears`, whatever its size."""
+    return plain_float32_linears(model)
 
 
 def _forward(layer: nn.Linear):

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["packed_linears", "packable_layers", "packing_available", "packed_linear", "MIN_ELEMENTS"]
+__all__ = ["packed_linears", "packable_layers", "plain_float32_linears", "packing_available", "packed_linear",
+           "MIN_ELEMENTS"]
 
 MIN_ELEMENTS = 1 << 17  # a 256 x 512 weight; below it, packing measured no faster on 2 CPU cores
 
@@ -64,13 +65,18 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def packable_layers(model: nn.Module) -> list[nn.Linear]:
-    """The layers :func:`packed_linears` packs: plain float32 ``nn.Linear`` on the CPU with at least
-    :data:`MIN_ELEMENTS` weight elements and no ``forward`` of their own on the instance."""
+def plain_float32_linears(model: nn.Module) -> list[nn.Linear]:
+    """The plain float32 ``nn.Linear`` layers of ``model`` on the CPU (not a subclass, such as a 4-bit
+    layer) with no ``forward`` of their own on the instance (a packed layer, accelerate's hooks)."""
     return [m for m in model.modules()
             if type(m) is nn.Linear and type(m.weight.data) is Tensor and m.weight.device.type == "cpu"
-            and m.weight.dtype == torch.float32 and m.weight.numel() >= MIN_ELEMENTS
-            and "forward" not in vars(m)]
+            and m.weight.dtype == torch.float32 and "forward" not in vars(m)]
+
+
+def packable_layers(model: nn.Module) -> list[nn.Linear]:
+    """The layers :func:`packed_linears` packs: :func:`plain_float32_linears` with at least
+    :data:`MIN_ELEMENTS` weight elements."""
+    return [m for m in plain_float32_linears(model) if m.weight.numel() >= MIN_ELEMENTS]
 
 
 def _forward(layer: nn.Linear):
