@@ -174,7 +174,8 @@ class PolicyGradient:
                 self.model, *inputs, temperature=temperature,
                 chunk_size=self.memory.logprob_chunk_size, with_entropy=self.with_entropy,
                 vocab_tile=self.memory.logprob_vocab_tile, entropy_grad=self.loss.requires.entropy,
-                share_prompt=self.share_prompt, score_mask=mask, compiled=self.memory.compile_training)
+                share_prompt=self.share_prompt, score_mask=mask, compiled=self.memory.compile_training,
+                keep_logits=True)  # the backward pass follows the loss, before any other logits
             logprobs, entropy = out if self.with_entropy else (out, None)
             if record is not None:
                 record[idx, :mask.shape[1]] = logprobs.detach().float().cpu()

@@ -63,6 +63,7 @@ def selective_logprobs(
     vocab_tile: int | None = None,
     entropy_grad: bool = False,
     compiled: bool = False,
+    keep_logits: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of ``targets`` (and optionally the token entropy) from hidden states, chunk by chunk.
 
@@ -81,6 +82,10 @@ def selective_logprobs(
         entropy_grad: the entropy must carry a gradient (an entropy bonus); the tiled path gives
             the entropy without one, so this selects the checkpointed chunks.
         compiled: the tiled path's element-wise work through ``torch.compile``.
+        keep_logits: when the tokens fit in one chunk and the vocabulary in one tile, the tiled pass
+            keeps its logits for the backward pass instead of recomputing them
+            (``grpo_engine.vocab_tiled``): for a caller whose backward pass comes next, as the
+            trainer's does.
 
     Returns:
         [k] float32 log-probs, or ``(logprobs [k], entropy [k])`` with ``with_entropy``.
@@ -100,7 +105,8 @@ def selective_logprobs(
         t = targets[start:start + chunk_size]
         if tiled:
             lp, ent = tiled_linear_logprobs(h, lm_head, t, temperature=temperature, vocab_tile=vocab_tile,
-                                            compiled=compiled)
+                                            compiled=compiled,
+                                            keep_logits=keep_logits and hidden.shape[0] <= chunk_size)
         elif torch.is_grad_enabled() and h.requires_grad:
             lp, ent = checkpoint(_chunk_logprobs, h, lm_head, t, temperature, softcap, with_entropy,
                                  use_reentrant=False)
@@ -130,6 +136,7 @@ def completion_logprobs(
     share_prompt: bool = False,
     score_mask: Tensor | None = None,
     compiled: bool = False,
+    keep_logits: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of each kept completion token under ``model`` (and optionally the token entropy).
 
@@ -142,7 +149,7 @@ def completion_logprobs(
         temperature: the sampling temperature.
         chunk_size: tokens per lm_head chunk.
         with_entropy: also return the [n, C] entropy of each position's next-token distribution.
-        vocab_tile, entropy_grad: see :func:`selective_logprobs`.
+        vocab_tile, entropy_grad, keep_logits: see :func:`selective_logprobs`.
         share_prompt: run each distinct prompt once and reuse its KV cache for every row that has
             it (see the module docstring); ignored where :func:`can_share_prompt` says no.
         score_mask: [n, C] the tokens to score, within ``completion_mask`` (default: all of them);
@@ -191,6 +198,7 @@ def completion_logprobs(
         vocab_tile=vocab_tile,
         entropy_grad=entropy_grad,
         compiled=compiled,
+        keep_logits=keep_logits,
     )
     zeros = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     if not with_entropy:

@@ -9,6 +9,12 @@ gradient (a loss that needs the entropy's gradient uses the untiled path).
 
     z = (h W^T + b) / tau,   log p(y) = z_y - logsumexp(z),   H = logsumexp(z) - sum softmax(z) z
 
+One tile, one chunk: when the whole vocabulary fits in one tile and the caller passes its tokens in one
+chunk (``keep_logits``), the forward pass keeps its [k, V] logits for the backward pass instead of
+recomputing them: one matrix product fewer, the same numbers bit for bit, and no more logits alive at
+once (the backward pass turns the kept logits into the gradient in place, where it would have
+recomputed them). A second backward through the same graph (``retain_graph``) recomputes them.
+
 Only a plain ``nn.Linear`` head is tiled (tied embeddings included: the gradient lands in the
 shared weight); a LoRA-wrapped or soft-capped head goes through ``logprobs.selective_logprobs``'s
 checkpointed chunks instead.
@@ -166,7 +172,7 @@ def _compiled(name: str, device_type: str):
 class _TiledLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                tile: int, compiled: bool) -> tuple[Tensor, Tensor]:
+                tile: int, compiled: bool, keep_logits: bool) -> tuple[Tensor, Tensor]:
         dtype = _compute_dtype(hidden, weight)
         statistics = _compiled("statistics", hidden.device.type) if compiled else _tile_statistics
         k = hidden.shape[0]
@@ -183,6 +189,10 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                 target_logit[inside] = z[inside, targets[inside] - start]
                 running_max, total, weighted = statistics(z, running_max, total, weighted)
         log_norm = running_max + torch.log(total)
+        # one tile: its logits z, untouched by the statistics, are the ones the backward pass would recompute
+        keep = keep_logits and weight.shape[0] <= tile and any(ctx.needs_input_grad[:3])
+        ctx.logits = z if keep else None
+        ctx.logits_version = z._version if keep else None
         ctx.save_for_backward(hidden, weight, bias, targets, log_norm)
         ctx.temperature, ctx.tile, ctx.dtype, ctx.compiled = temperature, tile, dtype, compiled
         ctx.into_grad = _writes_own_grad(weight)
@@ -211,7 +221,9 @@ class _TiledLinearLogprobs(torch.autograd.Function):
             for start in range(0, weight.shape[0], ctx.tile):
                 stop = min(start + ctx.tile, weight.shape[0])
                 w = weight[start:stop].to(dtype)
-                z = _tile_logits(h, w, bias, start, stop, ctx.temperature)
+                z, ctx.logits = ctx.logits, None  # the kept logits serve one backward pass
+                if z is None or z._version != ctx.logits_version:
+                    z = _tile_logits(h, w, bias, start, stop, ctx.temperature)
                 g = softmax_grad(z, log_norm, grad_logprobs)
                 inside = (targets >= start) & (targets < stop)
                 g[rows[inside], targets[inside] - start] += grad_logprobs[inside]
@@ -225,11 +237,12 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                     grad_weight[start:stop] += g.T @ h
         return (grad_hidden.to(hidden.dtype),
                 grad_weight.to(weight.dtype) if grad_weight is not None and not ctx.into_grad else None,
-                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None)
 
 
 def tiled_linear_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, *, temperature: float = 1.0,
-                          vocab_tile: int = 32768, compiled: bool = False) -> tuple[Tensor, Tensor]:
+                          vocab_tile: int = 32768, compiled: bool = False, keep_logits: bool = False
+                          ) -> tuple[Tensor, Tensor]:
     """``(logprobs [k], entropy [k])`` of ``targets`` under ``head(hidden) / temperature``.
 
     Args:
@@ -240,6 +253,9 @@ def tiled_linear_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor
         vocab_tile: vocabulary entries per tile.
         compiled: each tile's element-wise work through ``torch.compile`` (fused; one more [k, tile]
             tensor alive in the backward pass).
+        keep_logits: when the vocabulary fits in one tile, keep the [k, V] logits from the forward
+            pass to the backward pass instead of recomputing them (module docstring). For a caller
+            whose backward pass follows before any other logits are made: it holds them meanwhile.
 
     Returns:
         Float32 log-probs (differentiable w.r.t. ``hidden`` and the head) and the token entropy
@@ -254,4 +270,4 @@ def tiled_linear_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor
     if vocab_tile < 1:
         raise ValueError(f"vocab_tile={vocab_tile} must be >= 1; use e.g. 32768")
     return _TiledLinearLogprobs.apply(hidden, head.weight, head.bias, targets, temperature, vocab_tile,
-                                      compiled)
+                                      compiled, keep_logits)

@@ -257,3 +257,17 @@ def test_the_sampler_ab_times_each_product_and_a_steps_products(capsys):
     assert [p["shape"] for p in result["products"]] == [[16, 32], [32, 32], [32, 64], [64, 32], [512, 32]]
     assert result["rows"] == 2 and result["step_products"]["products"] == 2 * 7 + 1
     assert all(result["step_products"][k] > 0 for k in ("blas_s", "reduction_s"))
+
+
+def test_the_training_ab_alternates_both_settings_with_equal_gradients(capsys):
+    import training_ab
+
+    assert training_ab.main(["--shape", "micro", "--tokens", "8", "--prompt-tokens", "4",
+                             "--passes", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["rows"] == 4 and len(result["off_s"]) == len(result["on_s"]) == 1  # two passes are warm-up
+    assert result["ratio"] == pytest.approx(result["on_s"][0] / result["off_s"][0])
+    assert result["same_gradients"] is True  # kept logits: the recomputed ones, bit for bit
+    with pytest.raises(SystemExit):
+        training_ab.main(["--passes", "2"])
+    assert "--passes 2: at least 3" in capsys.readouterr().err

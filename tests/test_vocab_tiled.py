@@ -190,3 +190,78 @@ def test_inside_gradients_into_grad_no_vocabulary_sized_gradient_buffer_is_made(
 
     assert full_size_buffers(into_grad=False) >= 2
     assert full_size_buffers(into_grad=True) == 0
+
+
+def _counted_tile_logits(monkeypatch) -> list[int]:
+    """Counts the tiles' logit products (``_tile_logits`` calls) of the tiled pass."""
+    import grpo_engine.vocab_tiled as vt
+
+    calls, plain = [0], vt._tile_logits
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(vt, "_tile_logits", counted)
+    return calls
+
+
+@pytest.mark.parametrize("temperature,with_bias", [(1.0, False), (0.7, True)])
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit_with_one_product_fewer(
+        monkeypatch, temperature, with_bias):
+    """One tile (11 entries, tile 16): the kept logits are the ones the backward pass recomputes, so the
+    log-probs and every gradient are equal bit for bit, and the backward pass makes no logits of its own;
+    with 3 tiles nothing is kept (the forward's 3 products, then the backward's 3)."""
+    calls = _counted_tile_logits(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(6, 11, bias=with_bias)
+    hidden0 = torch.randn(5, 6, generator=g)
+    targets, upstream = torch.tensor([0, 3, 10, 7, 3]), torch.randn(5, generator=g)
+
+    def run(keep: bool, tile: int = 16):
+        head.zero_grad(set_to_none=True)
+        hidden = hidden0.clone().requires_grad_(True)
+        calls[0] = 0
+        lp, _ = tiled_linear_logprobs(hidden, head, targets, temperature=temperature, vocab_tile=tile,
+                                      keep_logits=keep)
+        forward = calls[0]
+        (lp * upstream).sum().backward()
+        grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if with_bias else [])
+        return lp.detach(), grads, (forward, calls[0] - forward)
+
+    lp_kept, kept, kept_calls = run(keep=True)
+    lp_plain, plain, plain_calls = run(keep=False)
+    assert torch.equal(lp_kept, lp_plain)
+    assert all(torch.equal(a, b) for a, b in zip(kept, plain, strict=True))
+    assert (kept_calls, plain_calls) == ((1, 0), (1, 1))
+    assert run(keep=True, tile=4)[2] == (3, 3)  # 3 tiles: the logits are recomputed
+
+
+def test_a_second_backward_through_kept_logits_recomputes_them(monkeypatch):
+    """The backward pass turns the kept logits into the gradient in place; a second backward through the
+    same graph (retain_graph) recomputes them and adds the same gradient again."""
+    calls = _counted_tile_logits(monkeypatch)
+    head = torch.nn.Linear(6, 11, bias=False)
+    hidden = torch.randn(5, 6, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    lp, _ = tiled_linear_logprobs(hidden, head, torch.tensor([0, 3, 10, 7, 3]), keep_logits=True)
+    lp.sum().backward(retain_graph=True)
+    first = head.weight.grad.clone()
+    lp.sum().backward()
+    assert calls[0] == 2  # the forward's product, then the second backward's
+    torch.testing.assert_close(head.weight.grad, 2 * first, rtol=0, atol=0)
+
+
+def test_logits_are_kept_only_for_tokens_in_one_chunk(monkeypatch):
+    """``selective_logprobs(keep_logits=True)`` keeps a chunk's logits only when the tokens make one chunk:
+    with several, each chunk's would stay alive until the backward pass, past the chunk x tile bound."""
+    from grpo_engine.logprobs import selective_logprobs
+
+    calls = _counted_tile_logits(monkeypatch)
+    head = torch.nn.Linear(6, 11, bias=False)
+    hidden = torch.randn(8, 6, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    targets = torch.arange(8)
+    for chunk, backward_products in ((8, 0), (4, 2)):
+        lp = selective_logprobs(hidden, head, targets, chunk_size=chunk, vocab_tile=16, keep_logits=True)
+        calls[0] = 0
+        lp.sum().backward()
+        assert calls[0] == backward_products, chunk
