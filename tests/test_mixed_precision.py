@@ -46,10 +46,14 @@ def test_forward_passes_compute_in_bfloat16_and_the_sampler_agrees_with_the_trai
     plain = completion_logprobs(trainer.model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                 batch.completion_mask)
     mask = batch.completion_mask
-    # sampler and trainer both compute in bfloat16: they agree far closer than either does with float32
-    gap_same = (batch.sampler_logprobs - logprobs)[mask].abs().max()
-    gap_fp32 = (plain - logprobs)[mask].abs().max()
-    assert gap_same < 0.02 and gap_fp32 > gap_same
+    # sampler and trainer both compute in bfloat16: on average they agree far closer than either does with
+    # float32 (a sampler outside autocast gives a ratio of 1.00; both in bfloat16, 0.37 on an AVX2-only CPU,
+    # where the one-token and the whole-sequence products round differently). The largest gaps are not
+    # compared: on such a CPU one token's bfloat16 gap can exceed its float32 one.
+    gap_same = (batch.sampler_logprobs - logprobs)[mask].abs()
+    gap_fp32 = (plain - logprobs)[mask].abs()
+    assert gap_same.max() < 0.02
+    assert gap_same.mean() < 0.5 * gap_fp32.mean(), (gap_same.mean(), gap_fp32.mean())
 
 
 def test_mixed_precision_plans_are_checked():
