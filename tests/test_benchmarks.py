@@ -271,3 +271,32 @@ def test_the_training_ab_alternates_both_settings_with_equal_gradients(capsys):
     with pytest.raises(SystemExit):
         training_ab.main(["--passes", "2"])
     assert "--passes 2: at least 3" in capsys.readouterr().err
+
+
+def test_the_training_ab_compares_the_compiled_pass_with_both_keeping_logits(capsys, monkeypatch):
+    import training_ab
+
+    calls, real = [], training_ab.completion_logprobs
+
+    def recording(*args, **kwargs):  # records what each pass asks for, then runs it eagerly (no compile)
+        calls.append({k: kwargs[k] for k in ("keep_logits", "compiled")})
+        return real(*args, **{**kwargs, "compiled": False})
+
+    monkeypatch.setattr(training_ab, "completion_logprobs", recording)
+    assert training_ab.main(["--setting", "compile_training", "--shape", "micro", "--tokens", "8",
+                             "--prompt-tokens", "4", "--passes", "3"]) == 0
+    assert calls == [{"keep_logits": True, "compiled": False}, {"keep_logits": True, "compiled": True}] * 3
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["gradient_difference"] == 0.0 and result["same_gradients"] is True
+
+
+def test_the_training_ab_gradient_difference_is_relative_to_each_tensors_largest_entry():
+    from training_ab import gradient_difference
+
+    a = [torch.tensor([1.0, -4.0]), torch.tensor([0.5, 0.25])]
+    assert gradient_difference(a, [t.clone() for t in a]) == 0.0
+    # 0.01 apart on a tensor whose largest entry is 4; 0.001 apart on one whose largest is 0.5
+    assert gradient_difference(a, [torch.tensor([1.01, -4.0]), torch.tensor([0.5, 0.251])]) == \
+        pytest.approx(max(0.01 / 4, 0.001 / 0.5))
+    assert gradient_difference([torch.zeros(3)], [torch.zeros(3)]) == 0.0
+    assert gradient_difference(a, [torch.tensor([float("nan"), -4.0]), a[1]]) == float("inf")
