@@ -40,6 +40,9 @@ class TrainerState:
         zero_std_warned: the warning that every group tied (no step changes the policy) was given.
         planned_steps: the run's step count once a calibrated time budget fixed it (``GRPOConfig.
             time_budget="calibrated"``), else None.
+        update_steps: steps that updated the policy (some row had a gradient to compute: not every
+            group tied, or the loss trains on zero-advantage rows too).
+        update_seconds: those steps' seconds in loss, backward and optimizer step (``time/train_s``).
         loss_metric_keys: the names of the loss's metrics seen so far (a step that trains no row logs
             them as 0).
         process_index, num_processes: this process's rank and the number of ranks (under
@@ -55,6 +58,8 @@ class TrainerState:
     skipped_in_a_row: int = 0
     zero_std_warned: bool = False
     planned_steps: int | None = None
+    update_steps: int = 0
+    update_seconds: float = 0.0
     loss_metric_keys: tuple[str, ...] = ("loss",)
     process_index: int = 0
     num_processes: int = 1

@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 __all__ = ["ConfigError", "FrozenModel", "GRPOConfig", "format_validation_error", "load_yaml", "dump_yaml",
-           "lr_factor", "planned_steps", "run_finished"]
+           "lr_factor", "planned_steps", "advance_clock", "run_finished"]
 
 M = TypeVar("M", bound="FrozenModel")
 
@@ -235,10 +235,10 @@ class GRPOConfig(FrozenModel):
     warmup_steps: int = Field(0, description="Linear warm-up steps from 0 to learning_rate.")
     time_budget: Literal["clock", "calibrated"] = Field(
         "clock", description="How max_train_seconds bounds a run: 'clock' stops at the budget and the "
-        "schedule follows whichever of steps or seconds ends first; 'calibrated' times the warm-up steps, "
-        "then fixes the run's step count to what fits the budget (at most max_steps) and follows that step "
-        "schedule, so a seed gives the same run on a machine fast enough for max_steps (the budget still "
-        "stops a run that slows down later)."
+        "schedule follows whichever of steps or seconds ends first; 'calibrated' times the warm-up steps "
+        "(their updates apart, see planned_steps), then fixes the run's step count to what fits the budget "
+        "(at most max_steps) and follows that step schedule, so a seed gives the same run on a machine "
+        "fast enough for max_steps (the budget still stops a run that slows down later)."
     )
     weight_decay: float = Field(0.0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW (beta1, beta2).")
@@ -360,7 +360,8 @@ GRPOConfig.field_rules = {
 def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0, planned: int | None = None) -> float:
     """The learning-rate multiplier of ``step``: linear warm-up, then the schedule over the run's
     progress: the step fraction of ``planned`` steps (a calibrated budget's, :func:`planned_steps`), or
-    the larger of the step fraction of ``max_steps`` and (with ``max_train_seconds``) the time fraction.
+    the larger of the step fraction of ``max_steps`` and (with ``max_train_seconds`` and the ``"clock"``
+    budget) the time fraction; a calibrated run not yet planned follows the step fraction of ``max_steps``.
 
     Example:
         >>> lr_factor(GRPOConfig(lr_schedule="linear", max_steps=10), 5)
@@ -370,7 +371,7 @@ def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0, planned
         return (step + 1) / (config.warmup_steps + 1)
     total = min(planned, config.max_steps) if planned is not None else config.max_steps
     progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
-    if config.max_train_seconds is not None and planned is None:  # whichever budget ends first
+    if config.max_train_seconds is not None and planned is None and config.time_budget == "clock":
         progress = max(progress, train_seconds / config.max_train_seconds)
     if config.lr_schedule == "linear":
         return max(0.0, 1.0 - progress)
@@ -379,25 +380,48 @@ def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0, planned
     return 1.0
 
 
-CALIBRATION_MARGIN = 0.9  # of the budget left after the warm-up: later steps may run slower
+CALIBRATION_MARGIN = 0.95  # of the budget left after the warm-up: later steps may run slower
 
 
-def planned_steps(config: GRPOConfig, step: int, train_seconds: float, planned: int | None) -> int | None:
-    """The run's step count under ``time_budget="calibrated"``, fixed once, when ``step`` reaches
-    ``warmup_steps``: ``max_steps`` when they fit in ``max_train_seconds`` at the warm-up's mean step time
-    (with a 10% margin), else as many as fit, rounded down to a multiple of 10 (so that small timing noise
-    plans the same count); ``planned`` (None before) is returned unchanged at every other step.
+def advance_clock(config: GRPOConfig, state: Any, seconds: dict[str, float], *, updated: bool) -> None:
+    """Counts a finished step's ``time/step_s`` into ``state.train_seconds`` (the budget's clock) and, when
+    it updated the policy (some row had a gradient to compute), its ``time/train_s`` into
+    ``state.update_seconds`` and the step into ``state.update_steps``; then fixes ``state.planned_steps``
+    (:func:`planned_steps`). ``state``: a ``TrainerState``."""
+    state.train_seconds += seconds["time/step_s"]
+    if updated:
+        state.update_steps += 1
+        state.update_seconds += seconds.get("time/train_s", 0.0)
+    state.planned_steps = planned_steps(config, state)
+
+
+def planned_steps(config: GRPOConfig, state: Any) -> int | None:
+    """The run's step count under ``time_budget="calibrated"``, fixed once: at the end of the warm-up
+    (``state.step == warmup_steps``), or later, at the end of the first step that updates the policy when
+    no warm-up step did. A step is estimated to take the mean time of the steps so far less their update
+    time, plus the mean update time of the steps that updated (early steps whose groups all tie compute
+    no gradient, and timing them as whole steps would plan too many). ``max_steps`` when they fit in
+    ``max_train_seconds`` at that pace (with a 5% margin), else as many as fit, rounded down to a
+    multiple of 10 (so that small timing noise plans the same count); ``state.planned_steps`` unchanged
+    before and after. ``state``: a ``TrainerState``.
 
     Example:
+        >>> from grpo_engine.callbacks import TrainerState
         >>> config = GRPOConfig(max_steps=120, max_train_seconds=450, warmup_steps=4,
         ...                     time_budget="calibrated")
-        >>> planned_steps(config, 4, 12.0, None), planned_steps(config, 4, 40.0, None)
-        (120, 40)
+        >>> fast = TrainerState(step=4, train_seconds=10.0, update_steps=2, update_seconds=2.0)
+        >>> slow = TrainerState(step=4, train_seconds=24.0, update_steps=2, update_seconds=8.0)
+        >>> planned_steps(config, fast), planned_steps(config, slow)  # 3 s and 8 s a step
+        (120, 50)
     """
-    if config.time_budget != "calibrated" or planned is not None or step != config.warmup_steps:
+    planned, step = state.planned_steps, state.step
+    if config.time_budget != "calibrated" or planned is not None or step < config.warmup_steps:
         return planned
-    left = (config.max_train_seconds - train_seconds) * CALIBRATION_MARGIN
-    fits = step + int(left / max(train_seconds / step, 1e-9))
+    if state.update_steps == 0:  # nothing yet says what an update costs
+        return None
+    per_step = (state.train_seconds - state.update_seconds) / step + state.update_seconds / state.update_steps
+    left = (config.max_train_seconds - state.train_seconds) * CALIBRATION_MARGIN
+    fits = step + int(left / max(per_step, 1e-9))
     if fits >= config.max_steps:
         return config.max_steps
     return max(step, fits - fits % 10 if fits >= 20 else fits)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from grpo_engine import checkpoint, export, guards
 from grpo_engine.advantages import GroupNormalized
 from grpo_engine.callbacks import Callback, CallbackList, TrainerControl, TrainerState
-from grpo_engine.config import GRPOConfig, lr_factor, planned_steps, run_finished
+from grpo_engine.config import GRPOConfig, advance_clock, lr_factor, run_finished
 from grpo_engine.data.checks import training_prompts
 from grpo_engine.data.templates import PromptTemplate
 from grpo_engine.distributed import World, parallelism
@@ -212,23 +212,23 @@ class GRPOTrainer:
         problem = guards.nonfinite_advantages(rewards, advantages)
         # 5. micro-batched loss and backward, 6. optimizer step (updates_per_batch times on this batch)
         loss_metrics: dict[str, float] = {}
+        updated = problem is None and self.gradients.counted_rows(advantages.reshape(-1)).numel() > 0
         with timer("train"):
             if problem is None:
                 mine = rollout.local_rows(advantages.reshape(-1))
                 loss_metrics, problem = self._updates(batch, mine, old, ref)
-        return self._end_step(rollout.whole, loss_metrics, problem, timer, lr=self.scheduler.get_last_lr()[0])
+        return self._end_step(rollout.whole, loss_metrics, problem, timer, updated=updated)
 
     def _end_step(self, whole: Rollout, loss_metrics: dict[str, float], problem: str | None,
-                  timer: StageTimer, *, lr: float) -> dict[str, float]:
+                  timer: StageTimer, *, updated: bool) -> dict[str, float]:
         """Counts the step (skipped or not), advances the clock and the schedule, and returns the step's
         metrics once the callbacks have seen (and may have added to) them."""
-        state, temperature = self.state, self.state.temperature
+        state, temperature, lr = self.state, self.state.temperature, self.scheduler.get_last_lr()[0]
         guards.count_skipped(state, problem, self.config.max_nonfinite_steps)
         state.step += 1
         seconds = timer.seconds()
         seconds = dict(zip(seconds, self.world.max(seconds.values())))  # the slowest rank's: one clock
-        state.train_seconds += seconds["time/step_s"]
-        state.planned_steps = planned_steps(self.config, state.step, state.train_seconds, state.planned_steps)
+        advance_clock(self.config, state, seconds, updated=updated)  # and a calibrated budget's plan
         with warnings.catch_warnings():  # a skipped step calls no optimizer.step(); the schedule advances
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()  # once per step, after the clock, which a time budget's decay reads

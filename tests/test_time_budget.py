@@ -8,13 +8,27 @@ import math
 
 import pytest
 
-from grpo_engine import GRPOConfig
+from grpo_engine import GRPOConfig, Reward
+from grpo_engine.callbacks import TrainerState
 from grpo_engine.config import ConfigError, lr_factor, planned_steps
 from tests.test_trainer import make_trainer
 
 
-def clocked(trainer, monkeypatch, seconds_per_sample: float) -> list[float]:
-    """A fake clock that moves ``seconds_per_sample`` whenever the trainer samples, and not otherwise."""
+class TiedFirst(Reward):
+    """The share of digits in a completion (groups of a random model rarely tie), but 0 for every
+    completion of the first ``steps`` steps (8 completions a step), so that those steps update nothing."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = 8 * steps
+
+    def score(self, prompt, completion):
+        self.left -= 1
+        return 0.0 if self.left >= 0 else sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+def clocked(trainer, monkeypatch, seconds_per_sample: float, seconds_per_update: float = 0.0) -> list[float]:
+    """A fake clock that moves ``seconds_per_sample`` whenever the trainer samples, ``seconds_per_update``
+    whenever it runs a micro-batch's forward and backward, and not otherwise."""
     import grpo_engine.logging as logging_module
 
     now = [100.0]
@@ -26,6 +40,13 @@ def clocked(trainer, monkeypatch, seconds_per_sample: float) -> list[float]:
         return sample(*args, **kwargs)
 
     trainer.sampler.sample = slow_sample
+    micro_step = trainer.gradients._micro_step
+
+    def slow_micro_step(*args, **kwargs):
+        now[0] += seconds_per_update
+        return micro_step(*args, **kwargs)
+
+    trainer.gradients._micro_step = slow_micro_step
     return now
 
 
@@ -36,7 +57,7 @@ def calibrated(tmp_path, **changes):
 
 
 def test_the_warm_up_fixes_the_steps_and_the_schedule_follows_them(tmp_path, monkeypatch):
-    """10 s a step: after 2 warm-up steps (20 s), 0.9 x 80 s fit 7 more steps, so 9 in all (below 20
+    """10 s a step: after 2 warm-up steps (20 s), 0.95 x 80 s fit 7 more steps, so 9 in all (below 20
     they are not rounded); lr: warm-up (s + 1) / 3, then cosine over (s - 2) / (9 - 2)."""
     trainer = calibrated(tmp_path / "run")
     clocked(trainer, monkeypatch, 10.0)
@@ -57,8 +78,9 @@ def test_the_same_seed_gives_the_same_run_on_a_slightly_slower_machine_and_fewer
         runs[speed] = [{k: v for k, v in m.items() if not k.startswith(("time/", "tokens/generated_"))}
                        for m in history]
         assert trainer.train_seconds <= 300.0
-    # 10 s: 2 + int(0.9 x 280 / 10) = 27 -> 20; 10.4 s: 2 + 24 = 26 -> 20; 20 s: 2 + int(0.9 x 260 / 20) = 13
-    assert len(runs[10.0]) == len(runs[10.4]) == 20 and len(runs[20.0]) == 13
+    # 10 s: 2 + int(0.95 x 280 / 10) = 28 -> 20; 10.4 s: 2 + 25 = 27 -> 20;
+    # 20 s: 2 + int(0.95 x 260 / 20) = 14
+    assert len(runs[10.0]) == len(runs[10.4]) == 20 and len(runs[20.0]) == 14
     assert runs[10.0] == runs[10.4]  # every metric of every step, exactly
 
 
@@ -71,14 +93,55 @@ def test_a_calibrated_run_resumes_with_its_planned_steps(tmp_path, monkeypatch):
     assert resumed.state.planned_steps == 9 and resumed.step_count == 6
 
 
+def test_the_warm_up_times_an_update_from_the_steps_that_ran_one(tmp_path, monkeypatch):
+    """Sampling 10 s, an update 10 s more, and the first step's groups all tie (no update): the warm-up
+    took 10 + 20 s. Its mean (15 s) would plan 2 + int(0.95 x 270 / 15) = 19 steps, which the 300 s
+    budget cuts at 16; the calibration counts 20 s a step: 2 + int(0.95 x 270 / 20) = 14, all of them
+    inside the budget."""
+    trainer = calibrated(tmp_path, max_train_seconds=300.0, rewards=[TiedFirst(steps=1)], learning_rate=3e-3)
+    clocked(trainer, monkeypatch, 10.0, seconds_per_update=10.0)
+    history = trainer.train()
+    assert [m["time/step_s"] for m in history[:2]] == [10.0, 20.0]
+    assert trainer.state.planned_steps == 14 and trainer.step_count == 14
+    assert trainer.state.update_steps == 13 and trainer.train_seconds == pytest.approx(270.0)
+
+
+def test_a_warm_up_without_an_update_plans_at_the_first_step_that_updates(tmp_path, monkeypatch):
+    """The groups tie in steps 1-3; step 4 is the first to update: 10 + 10 + 10 + 20 s, so
+    (50 - 10) / 4 + 10 = 20 s a step and 4 + int(0.95 x 250 / 20) = 15 steps. Until then the schedule
+    follows the step fraction of max_steps (never the clock, so the same seed gives the same rates)."""
+    trainer = calibrated(tmp_path, max_train_seconds=300.0, rewards=[TiedFirst(steps=3)], learning_rate=3e-3)
+    clocked(trainer, monkeypatch, 10.0, seconds_per_update=10.0)
+    planned = []
+    for _ in range(4):
+        trainer.step()
+        planned.append(trainer.state.planned_steps)
+    assert planned == [None, None, None, 15]
+    history = trainer.train()
+    cosine = [0.0015 * (1 + math.cos(math.pi * k / 998)) for k in (0, 1)]
+    cosine += [0.0015 * (1 + math.cos(math.pi * k / 13)) for k in range(2, 13)]
+    assert [m["lr"] for m in history] == pytest.approx([0.001, 0.002] + cosine)
+    assert trainer.step_count == 15 and trainer.train_seconds == pytest.approx(50.0 + 11 * 20.0)
+
+
 def test_planned_steps_rounds_down_to_tens_and_needs_a_budget_and_a_warm_up():
     config = GRPOConfig(max_steps=120, max_train_seconds=450, warmup_steps=4, time_budget="calibrated")
-    assert planned_steps(config, 4, 12.0, None) == 120  # 4 + int(0.9 x 438 / 3) = 135 > 120: max_steps
-    assert planned_steps(config, 4, 20.0, None) == 80  # 4 + int(0.9 x 430 / 5) = 81 -> 80
-    assert planned_steps(config, 3, 20.0, None) is None  # only at the end of the warm-up
-    assert planned_steps(config, 5, 20.0, 80) == 80  # fixed once
-    assert planned_steps(GRPOConfig(max_steps=120, max_train_seconds=450), 0, 20.0, None) is None  # clock
+
+    def plan(step, seconds, update_steps=4, update_seconds=0.0, planned=None, of=config):
+        return planned_steps(of, TrainerState(step=step, train_seconds=seconds, update_steps=update_steps,
+                                              update_seconds=update_seconds, planned_steps=planned))
+
+    assert plan(4, 12.0) == 120  # 4 + int(0.95 x 438 / 3) = 142 > 120: max_steps
+    assert plan(4, 20.0) == 80  # 4 + int(0.95 x 430 / 5) = 85 -> 80
+    assert plan(4, 20.0, update_steps=2, update_seconds=4.0) == 70  # 16 / 4 + 4 / 2 = 6 s: 72 -> 70
+    assert plan(4, 20.0, update_steps=4, update_seconds=8.0) == 80  # 12 / 4 + 8 / 4 = 5 s, as above
+    assert plan(4, 20.0, update_steps=0) is None  # no update timed yet: the next step that updates plans
+    assert plan(6, 30.0, update_steps=1, update_seconds=10.0) == 30  # 20 / 6 + 10 = 13.3 s: 6 + 29 -> 30
+    assert plan(3, 20.0) is None  # only from the end of the warm-up
+    assert plan(5, 20.0, planned=80) == 80  # fixed once
+    assert plan(0, 20.0, of=GRPOConfig(max_steps=120, max_train_seconds=450)) is None  # clock
     assert lr_factor(config, 4, 0.0, 80) == lr_factor(config.model_copy(update={"max_steps": 80}), 4)
+    assert lr_factor(config, 10, 449.0) == lr_factor(config, 10, 0.0)  # not planned yet: steps, not time
     with pytest.raises(ConfigError, match="max_train_seconds, which is null"):
         GRPOConfig(time_budget="calibrated", warmup_steps=4)
     with pytest.raises(ConfigError, match="warmup_steps=0; set warmup_steps >= 1"):
