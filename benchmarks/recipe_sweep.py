@@ -15,7 +15,8 @@ batch), ``advantage`` (the name of a class in ``grpo_engine.advantages`` and its
 arguments, e.g. ``{"aggregation": "token"}``); both win over the recipe's ``advantage_std_scope``
 and ``loss_aggregation``. A ``lora_r`` of 0 trains every weight (no adapter). The recipe's
 ``train_seconds`` does not apply (a step budget; a ``linear`` / ``cosine`` ``lr_schedule`` decays
-over ``--steps``).
+over ``--steps``, from the peak the demo takes when it plans ``--steps`` steps: below its
+``lr_reference_steps`` the peak is raised, up to ``max_learning_rate``; a variant may set either).
 
 ``--eval-problems N`` evaluates on the first N problems of a test split drawn with the same seed;
 its first ``num_test`` (64) problems are exactly the demo's held-out set (``arithmetic_task``
@@ -100,6 +101,7 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
             "warmup_steps": s.calibration_steps,
             "temperature": s.temperature,
             "learning_rate": s.learning_rate, "lr_schedule": s.lr_schedule, "seed": s.seed, "output_dir": out,
+            "lr_reference_steps": s.lr_reference_steps, "max_learning_rate": s.max_learning_rate,
             "progress_bar": False, **variant.get("config", {})})
         lora = LoRA(r=s.lora_r, alpha=2 * s.lora_r) if s.lora_r else None
         memory = MemoryPlan(lora=lora, micro_batch_size=s.micro_batch_size,

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                         max_steps=s.max_steps, max_train_seconds=s.train_seconds, time_budget="calibrated",
                         warmup_steps=s.calibration_steps, temperature=s.temperature,
                         learning_rate=s.learning_rate, lr_schedule=s.lr_schedule, seed=s.seed,
+                        lr_reference_steps=s.lr_reference_steps, max_learning_rate=s.max_learning_rate,
                         output_dir=tempfile.mkdtemp(prefix="vllm-learning-"), progress_bar=False)
     memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size)
     components = recipe_components(s)

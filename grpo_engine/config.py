@@ -13,7 +13,9 @@ breaks and the fix; an unknown name gets the closest field, or where TRL's name 
 :func:`lr_factor` is the learning-rate schedule: a linear warm-up, (step + 1) / (warmup_steps + 1), then
 constant, linear or cosine over the run's progress, the larger of the step fraction and (with
 ``max_train_seconds``) the time fraction; under ``time_budget="calibrated"`` the step fraction of the
-run's planned steps (:func:`planned_steps`). Memory settings live in :class:`grpo_engine.memory.MemoryPlan`.
+run's planned steps (:func:`planned_steps`). It peaks at ``learning_rate``, higher for a run shorter than
+``lr_reference_steps`` (:func:`peak_learning_rate`). Memory settings live in
+:class:`grpo_engine.memory.MemoryPlan`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 __all__ = ["ConfigError", "FrozenModel", "GRPOConfig", "format_validation_error", "load_yaml", "dump_yaml",
-           "lr_factor", "planned_steps", "advance_clock", "run_finished"]
+           "lr_factor", "peak_learning_rate", "planned_steps", "advance_clock", "run_finished"]
 
 M = TypeVar("M", bound="FrozenModel")
 
@@ -240,6 +242,15 @@ class GRPOConfig(FrozenModel):
         "(at most max_steps) and follows that step schedule, so a seed gives the same run on a machine "
         "fast enough for max_steps (the budget still stops a run that slows down later)."
     )
+    lr_reference_steps: int | None = Field(
+        None, description="A run of fewer steps than this (the calibrated plan, else max_steps) peaks "
+        "higher: at learning_rate x lr_reference_steps / its steps, at most max_learning_rate, so that a "
+        "slow machine's shorter run still learns (see peak_learning_rate); null = the peak is learning_rate."
+    )
+    max_learning_rate: float | None = Field(
+        None, description="The highest peak lr_reference_steps may raise the learning rate to (needed "
+        "with it)."
+    )
     weight_decay: float = Field(0.0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW (beta1, beta2).")
     adam_eps: float = Field(1e-8, description="AdamW epsilon.")
@@ -286,6 +297,19 @@ class GRPOConfig(FrozenModel):
         if value == "calibrated" and info.data.get("warmup_steps", 1) < 1:
             raise ValueError("time_budget='calibrated' times the warm-up steps, and warmup_steps=0; set "
                              "warmup_steps >= 1 (e.g. 4)")
+        return value
+
+    @field_validator("max_learning_rate")
+    @classmethod
+    def _raised_peak_inputs(cls, value: float | None, info: ValidationInfo) -> float | None:
+        reference, learning_rate = info.data.get("lr_reference_steps"), info.data.get("learning_rate")
+        if reference is not None and value is None:
+            raise ValueError(f"lr_reference_steps={reference} raises the peak of a shorter run, and the cap "
+                             "max_learning_rate is null; set max_learning_rate (e.g. 4e-4 with learning_rate "
+                             "3e-4), or lr_reference_steps=None")
+        if value is not None and learning_rate is not None and value < learning_rate:
+            raise ValueError(f"max_learning_rate={value} is below learning_rate={learning_rate}, and a "
+                             f"raised peak is never lower; set max_learning_rate >= {learning_rate}")
         return value
 
 
@@ -344,6 +368,10 @@ GRPOConfig.field_rules = {
     "top_k": (lambda v: v >= 0, "must be >= 0", "use top_k=0 to turn it off"),
     "learning_rate": (lambda v: v > 0, "must be > 0", "use e.g. 1e-4 for LoRA or 1e-6 for full fine-tuning"),
     "warmup_steps": (lambda v: v >= 0, "must be >= 0", "use 0 for no warm-up"),
+    "lr_reference_steps": (lambda v: v is None or v >= 1, "must be >= 1",
+                           "use e.g. 90, or null to keep the peak at learning_rate"),
+    "max_learning_rate": (lambda v: v is None or v > 0, "must be > 0",
+                          "use e.g. 4e-4 with learning_rate 3e-4"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0", "use 0.0 to turn it off"),
     "adam_betas": (lambda v: all(0 <= b < 1 for b in v), "must each be in [0, 1)", "use (0.9, 0.99)"),
     "adam_eps": (lambda v: v > 0, "must be > 0", "use 1e-8"),
@@ -362,6 +390,8 @@ def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0, planned
     progress: the step fraction of ``planned`` steps (a calibrated budget's, :func:`planned_steps`), or
     the larger of the step fraction of ``max_steps`` and (with ``max_train_seconds`` and the ``"clock"``
     budget) the time fraction; a calibrated run not yet planned follows the step fraction of ``max_steps``.
+    After the warm-up the schedule starts from :func:`peak_learning_rate` / ``learning_rate`` (1 unless
+    ``lr_reference_steps`` raises it).
 
     Example:
         >>> lr_factor(GRPOConfig(lr_schedule="linear", max_steps=10), 5)
@@ -373,11 +403,30 @@ def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0, planned
     progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
     if config.max_train_seconds is not None and planned is None and config.time_budget == "clock":
         progress = max(progress, train_seconds / config.max_train_seconds)
+    peak = peak_learning_rate(config, planned) / config.learning_rate
     if config.lr_schedule == "linear":
-        return max(0.0, 1.0 - progress)
+        return peak * max(0.0, 1.0 - progress)
     if config.lr_schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return 1.0
+        return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return peak
+
+
+def peak_learning_rate(config: GRPOConfig, planned: int | None = None) -> float:
+    """The peak the schedule decays from after the warm-up: ``learning_rate``, or for a run of fewer steps
+    than ``lr_reference_steps`` (its ``planned`` steps under the calibrated budget, else ``max_steps``)
+    ``learning_rate * lr_reference_steps / steps``, at most ``max_learning_rate``. The warm-up climbs
+    to ``learning_rate`` whatever the peak (the calibration runs before the plan is known).
+
+    Example:
+        >>> config = GRPOConfig(learning_rate=3e-4, lr_reference_steps=90, max_learning_rate=4e-4)
+        >>> [round(peak_learning_rate(config, steps), 7) for steps in (100, 90, 80, 60, 30)]
+        [0.0003, 0.0003, 0.0003375, 0.0004, 0.0004]
+    """
+    steps = min(planned, config.max_steps) if planned is not None else config.max_steps
+    if config.lr_reference_steps is None or steps >= config.lr_reference_steps:
+        return config.learning_rate
+    raised = config.learning_rate * config.lr_reference_steps / steps
+    return min(raised, typing.cast(float, config.max_learning_rate))
 
 
 CALIBRATION_MARGIN = 0.95  # of the budget left after the warm-up: later steps may run slower

@@ -49,6 +49,10 @@ class DemoSettings:
     eval_max_new_tokens: int = 24
     temperature: float = 1.0
     learning_rate: float = 3e-4
+    # a run the budget plans shorter than this peaks higher, at 3e-4 x 90 / its steps, at most
+    # max_learning_rate: 4e-4 lifted 60-step runs on both seeds measured, 5e-4 broke one (benchmarks.md)
+    lr_reference_steps: int | None = 90
+    max_learning_rate: float = 4e-4
     lr_schedule: str = "cosine"  # a GRPOConfig.lr_schedule; linear / cosine decay over the run's steps
     lora_r: int = 16
     merge_lora_for_sampling: bool = True  # a MemoryPlan field: sample with the adapters merged (faster)
@@ -190,6 +194,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
 
 def _run(s: DemoSettings) -> dict:
     from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
+    from grpo_engine.config import peak_learning_rate
     from grpo_engine.data import ChatTemplate
     from grpo_engine.eval import greedy_accuracy
     from grpo_engine.models import load_model
@@ -217,7 +222,7 @@ def _run(s: DemoSettings) -> dict:
         max_completion_tokens=s.max_completion_tokens, max_prompt_tokens=128, max_steps=s.max_steps,
         max_train_seconds=s.train_seconds, time_budget="calibrated", warmup_steps=s.calibration_steps,
         temperature=s.temperature, learning_rate=s.learning_rate, lr_schedule=s.lr_schedule, seed=s.seed,
-        output_dir=str(out),
+        lr_reference_steps=s.lr_reference_steps, max_learning_rate=s.max_learning_rate, output_dir=str(out),
     )
     memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size,
                         merge_lora_for_sampling=s.merge_lora_for_sampling)
@@ -229,6 +234,7 @@ def _run(s: DemoSettings) -> dict:
     (out / "demo_settings.json").write_text(json.dumps(asdict(s), indent=2))
     summary = {"model": MODEL_NAME, "task": s.task, "steps": trainer.step_count,
                "planned_steps": trainer.state.planned_steps, "threads": torch.get_num_threads(),
+               "peak_learning_rate": peak_learning_rate(config, trainer.state.planned_steps),
                "before_accuracy": round(before, 4), "after_accuracy": round(after, 4),
                "train_s": round(trainer.train_seconds, 1), "wall_s": round(time.perf_counter() - wall, 1),
                "output_dir": str(out)}

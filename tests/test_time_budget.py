@@ -10,7 +10,7 @@ import pytest
 
 from grpo_engine import GRPOConfig, Reward
 from grpo_engine.callbacks import TrainerState
-from grpo_engine.config import ConfigError, lr_factor, planned_steps
+from grpo_engine.config import ConfigError, lr_factor, peak_learning_rate, planned_steps
 from tests.test_trainer import make_trainer
 
 
@@ -146,3 +146,42 @@ def test_planned_steps_rounds_down_to_tens_and_needs_a_budget_and_a_warm_up():
         GRPOConfig(time_budget="calibrated", warmup_steps=4)
     with pytest.raises(ConfigError, match="warmup_steps=0; set warmup_steps >= 1"):
         GRPOConfig(time_budget="calibrated", max_train_seconds=450)
+
+
+def test_a_shorter_plan_peaks_higher_up_to_the_cap_and_resumes_at_that_peak(tmp_path, monkeypatch):
+    """lr 0.3, lr_reference_steps 30, cap 0.6, a 300 s budget, 2 warm-up steps. At 10 s a step the plan
+    is 20 steps (see above): peak 0.3 x 30 / 20 = 0.45; at 20 s it is 14 steps: 0.3 x 30 / 14 = 0.64,
+    capped at 0.6. The warm-up climbs to 0.3 either way (it runs before the plan); a resumed run
+    continues at its plan's peak."""
+    raised = dict(max_train_seconds=300.0, lr_reference_steps=30, max_learning_rate=0.6, save_every_steps=5)
+    for speed, steps, peak in ((10.0, 20, 0.45), (20.0, 14, 0.6)):
+        trainer = calibrated(tmp_path / str(speed), **raised)
+        clocked(trainer, monkeypatch, speed)
+        history = trainer.train()
+        decay = steps - 2
+        want = [0.1, 0.2] + [peak / 2 * (1 + math.cos(math.pi * k / decay)) for k in range(decay)]
+        assert trainer.step_count == steps and [m["lr"] for m in history] == pytest.approx(want)
+    checkpoint = str(tmp_path / "10.0" / "checkpoint-5")
+    resumed = calibrated(tmp_path / "10.0", components={"resume_from": checkpoint}, **raised)
+    clocked(resumed, monkeypatch, 10.0)
+    rest = [0.225 * (1 + math.cos(math.pi * k / 18)) for k in range(3, 18)]  # steps 6-20 of the 10 s run
+    assert [m["lr"] for m in resumed.train()] == pytest.approx(rest)
+
+
+def test_peak_learning_rate_by_hand_and_its_bad_settings():
+    config = GRPOConfig(learning_rate=3e-4, lr_reference_steps=90, max_learning_rate=4e-4, max_steps=100,
+                        lr_schedule="cosine", warmup_steps=4, max_train_seconds=480, time_budget="calibrated")
+    peaks = [peak_learning_rate(config, steps) for steps in (None, 120, 100, 90, 80, 70, 60, 30)]
+    # None and 120: max_steps (100) steps; 80: 3e-4 x 90 / 80; 70: 3.857e-4; 60 and 30: the cap
+    assert peaks == pytest.approx([3e-4, 3e-4, 3e-4, 3e-4, 3.375e-4, 3e-4 * 90 / 70, 4e-4, 4e-4], rel=1e-12)
+    assert peak_learning_rate(config.model_copy(update={"max_steps": 45})) == pytest.approx(4e-4)
+    assert peak_learning_rate(GRPOConfig(learning_rate=3e-4), 10) == 3e-4  # no reference: never raised
+    assert lr_factor(config, 3, 0.0, 80) == pytest.approx(0.8)  # the warm-up climbs to learning_rate
+    assert lr_factor(config, 4, 0.0, 80) == pytest.approx(3.375 / 3)  # then starts from the raised peak
+    assert lr_factor(config, 42, 0.0, 80) == pytest.approx(3.375 / 3 * 0.5)  # half-way through the cosine
+    with pytest.raises(ConfigError, match="lr_reference_steps=90 raises .* max_learning_rate is null"):
+        GRPOConfig(learning_rate=3e-4, lr_reference_steps=90)
+    with pytest.raises(ConfigError, match=r"max_learning_rate=0.0001 is below learning_rate=0.0003"):
+        GRPOConfig(learning_rate=3e-4, lr_reference_steps=90, max_learning_rate=1e-4)
+    with pytest.raises(ConfigError, match="lr_reference_steps=0 must be >= 1"):
+        GRPOConfig(learning_rate=3e-4, lr_reference_steps=0, max_learning_rate=4e-4)
