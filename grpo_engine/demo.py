@@ -49,9 +49,10 @@ class DemoSettings:
     eval_max_new_tokens: int = 24
     temperature: float = 1.0
     learning_rate: float = 3e-4
-    # a run the budget plans shorter than this peaks higher, at 3e-4 x 90 / its steps, at most
-    # max_learning_rate: 4e-4 lifted 60-step runs on both seeds measured, 5e-4 broke one (benchmarks.md)
-    lr_reference_steps: int | None = 90
+    # a run the budget plans shorter than this peaks higher, at 3e-4 x 80 / its steps (4e-4 at 60), at
+    # most max_learning_rate: 4e-4 was level or ahead at 60 steps on three seeds, 5e-4 broke one, and at
+    # 80 steps 3.4e-4 was not better (benchmarks.md, "The recipe choices")
+    lr_reference_steps: int | None = 80
     max_learning_rate: float = 4e-4
     lr_schedule: str = "cosine"  # a GRPOConfig.lr_schedule; linear / cosine decay over the run's steps
     lora_r: int = 16

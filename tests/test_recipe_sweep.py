@@ -75,7 +75,7 @@ def test_accuracy_by_kind_splits_subtraction_by_the_sign_of_its_result():
 
 
 def test_a_short_sweep_peaks_where_the_demo_would_for_that_plan(tiny_folder, monkeypatch):
-    """3 steps with 1 warm-up step: the demo planning 3 steps peaks at min(3e-4 x 90 / 3, 4e-4) = 4e-4,
+    """3 steps with 1 warm-up step: the demo planning 3 steps peaks at min(3e-4 x 80 / 3, 4e-4) = 4e-4,
     so the lr is 1.5e-4 (warm-up), 4e-4, then 2e-4 half-way down the cosine; a variant may lift the cap."""
     import grpo_engine
 
