@@ -369,7 +369,7 @@ GRPOConfig.field_rules = {
     "learning_rate": (lambda v: v > 0, "must be > 0", "use e.g. 1e-4 for LoRA or 1e-6 for full fine-tuning"),
     "warmup_steps": (lambda v: v >= 0, "must be >= 0", "use 0 for no warm-up"),
     "lr_reference_steps": (lambda v: v is None or v >= 1, "must be >= 1",
-                           "use e.g. 90, or null to keep the peak at learning_rate"),
+                           "use e.g. 80, or null to keep the peak at learning_rate"),
     "max_learning_rate": (lambda v: v is None or v > 0, "must be > 0",
                           "use e.g. 4e-4 with learning_rate 3e-4"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0", "use 0.0 to turn it off"),
