@@ -19,11 +19,11 @@ over ``--steps``, from the peak the demo takes when it plans ``--steps`` steps: 
 ``lr_reference_steps`` the peak is raised, up to ``max_learning_rate``; a variant may set either).
 
 ``--eval-problems N`` evaluates on the first N problems of a test split drawn with the same seed;
-its first ``num_test`` (64) problems are exactly the demo's held-out set (``arithmetic_task``
+its first ``num_test`` (256) problems are exactly the demo's held-out set (``arithmetic_task``
 draws without replacement in a fixed order), so each curve point reports both: ``accuracy`` on
-all N and ``demo_split`` on the demo's 64, then ``[correct, total]`` per kind of problem
+all N and ``demo_split`` on the demo's 256, then ``[correct, total]`` per kind of problem
 (``+``, ``-`` with a result >= 0, ``-`` with a negative result). With 64 problems one run's binomial
-standard error is ~6 points; 256 problems halve it.
+standard error is ~6 points; 256 problems (the demo's since 2026-12-04) halve it.
 
     python benchmarks/recipe_sweep.py --steps 80 --eval-every 20 --eval-problems 256 \\
         --variant '{}' --variant '{"temperature": 0.8}' --variant '{"lr_schedule": "linear"}'

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     config = GRPOConfig(prompts_per_step=s.prompts_per_step, group_size=s.group_size,
                         max_completion_tokens=s.max_completion_tokens, max_prompt_tokens=128,
                         max_steps=s.max_steps, max_train_seconds=s.train_seconds, time_budget="calibrated",
-                        warmup_steps=s.calibration_steps, temperature=s.temperature,
+                        warmup_steps=s.calibration_steps, replan_step=s.replan_step,
+                        temperature=s.temperature,
                         learning_rate=s.learning_rate, lr_schedule=s.lr_schedule, seed=s.seed,
                         lr_reference_steps=s.lr_reference_steps, max_learning_rate=s.max_learning_rate,
                         output_dir=tempfile.mkdtemp(prefix="vllm-learning-"), progress_bar=False)

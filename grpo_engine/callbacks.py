@@ -43,6 +43,8 @@ class TrainerState:
         update_steps: steps that updated the policy (some row had a gradient to compute: not every
             group tied, or the loss trains on zero-advantage rows too).
         update_seconds: those steps' seconds in loss, backward and optimizer step (``time/train_s``).
+        plan_mark: ``(step, train_seconds, update_steps, update_seconds)`` when a calibrated budget
+            made its first plan (a ``replan_step`` plans again from the steps since), else None.
         loss_metric_keys: the names of the loss's metrics seen so far (a step that trains no row logs
             them as 0).
         process_index, num_processes: this process's rank and the number of ranks (under
@@ -60,6 +62,7 @@ class TrainerState:
     planned_steps: int | None = None
     update_steps: int = 0
     update_seconds: float = 0.0
+    plan_mark: tuple[int, float, int, float] | None = None
     loss_metric_keys: tuple[str, ...] = ("loss",)
     process_index: int = 0
     num_processes: int = 1
@@ -78,7 +81,8 @@ class TrainerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s output."""
         for name, value in state.items():
-            setattr(self, name, tuple(value) if name == "loss_metric_keys" else value)
+            listed = name in ("loss_metric_keys", "plan_mark") and value is not None
+            setattr(self, name, tuple(value) if listed else value)
 
 
 @dataclass

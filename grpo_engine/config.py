@@ -242,6 +242,11 @@ class GRPOConfig(FrozenModel):
         "(at most max_steps) and follows that step schedule, so a seed gives the same run on a machine "
         "fast enough for max_steps (the budget still stops a run that slows down later)."
     )
+    replan_step: int | None = Field(
+        None, description="Under time_budget='calibrated': the step at whose end the plan is made once "
+        "more, from the pace of the steps since the first plan (a warm-up's completions are often the "
+        "run's longest, so its pace plans too few steps); null = the first plan holds."
+    )
     lr_reference_steps: int | None = Field(
         None, description="A run of fewer steps than this (the calibrated plan, else max_steps) peaks "
         "higher: at learning_rate x lr_reference_steps / its steps, at most max_learning_rate, so that a "
@@ -297,6 +302,18 @@ class GRPOConfig(FrozenModel):
         if value == "calibrated" and info.data.get("warmup_steps", 1) < 1:
             raise ValueError("time_budget='calibrated' times the warm-up steps, and warmup_steps=0; set "
                              "warmup_steps >= 1 (e.g. 4)")
+        return value
+
+    @field_validator("replan_step")
+    @classmethod
+    def _replan_inputs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        budget, warmup = info.data.get("time_budget"), info.data.get("warmup_steps", 0)
+        if value is not None and budget != "calibrated":
+            raise ValueError(f"replan_step={value} revises a calibrated budget's plan, and time_budget="
+                             f"{budget!r}; set time_budget='calibrated' or replan_step=None")
+        if value is not None and warmup is not None and value <= warmup:
+            raise ValueError(f"replan_step={value} must come after the warm-up (warmup_steps={warmup}), "
+                             f"which makes the first plan; set replan_step > {warmup} (e.g. {5 * warmup})")
         return value
 
     @field_validator("max_learning_rate")
@@ -436,41 +453,76 @@ def advance_clock(config: GRPOConfig, state: Any, seconds: dict[str, float], *, 
     """Counts a finished step's ``time/step_s`` into ``state.train_seconds`` (the budget's clock) and, when
     it updated the policy (some row had a gradient to compute), its ``time/train_s`` into
     ``state.update_seconds`` and the step into ``state.update_steps``; then fixes ``state.planned_steps``
-    (:func:`planned_steps`). ``state``: a ``TrainerState``."""
+    (:func:`planned_steps`), marking the clock where the first plan was made in ``state.plan_mark``.
+    ``state``: a ``TrainerState``."""
     state.train_seconds += seconds["time/step_s"]
     if updated:
         state.update_steps += 1
         state.update_seconds += seconds.get("time/train_s", 0.0)
+    first = state.planned_steps is None
     state.planned_steps = planned_steps(config, state)
+    if first and state.planned_steps is not None:
+        state.plan_mark = (state.step, state.train_seconds, state.update_steps, state.update_seconds)
 
 
 def planned_steps(config: GRPOConfig, state: Any) -> int | None:
-    """The run's step count under ``time_budget="calibrated"``, fixed once: at the end of the warm-up
+    """The run's step count under ``time_budget="calibrated"``: planned at the end of the warm-up
     (``state.step == warmup_steps``), or later, at the end of the first step that updates the policy when
-    no warm-up step did. A step is estimated to take the mean time of the steps so far less their update
-    time, plus the mean update time of the steps that updated (early steps whose groups all tie compute
-    no gradient, and timing them as whole steps would plan too many). ``max_steps`` when they fit in
-    ``max_train_seconds`` at that pace (with a 5% margin), else as many as fit, rounded down to a
-    multiple of 10 (so that small timing noise plans the same count); ``state.planned_steps`` unchanged
-    before and after. ``state``: a ``TrainerState``.
+    no warm-up step did; and with ``replan_step``, planned once more at the end of that step, from the
+    steps since the first plan (``state.plan_mark``). A step is estimated to take the mean time of the
+    steps timed less their update time, plus the mean update time of those that updated (early steps
+    whose groups all tie compute no gradient, and timing them as whole steps would plan too many).
+    ``max_steps`` when they fit in ``max_train_seconds`` at that pace (with a 5% margin), else as many as
+    fit, rounded down to a multiple of 10 (so that small timing noise plans the same count);
+    ``state.planned_steps`` unchanged at every other step. ``state``: a ``TrainerState``.
 
     Example:
         >>> from grpo_engine.callbacks import TrainerState
         >>> config = GRPOConfig(max_steps=120, max_train_seconds=450, warmup_steps=4,
-        ...                     time_budget="calibrated")
+        ...                     time_budget="calibrated", replan_step=20)
         >>> fast = TrainerState(step=4, train_seconds=10.0, update_steps=2, update_seconds=2.0)
         >>> slow = TrainerState(step=4, train_seconds=24.0, update_steps=2, update_seconds=8.0)
         >>> planned_steps(config, fast), planned_steps(config, slow)  # 3 s and 8 s a step
         (120, 50)
+        >>> later = TrainerState(step=20, train_seconds=24.0 + 16 * 6.0, update_steps=18,
+        ...                      update_seconds=8.0 + 16 * 2.0, planned_steps=50,
+        ...                      plan_mark=(4, 24.0, 2, 8.0))
+        >>> planned_steps(config, later)  # 6 s a step since the warm-up: 20 + int(0.95 x 330 / 6) = 72
+        70
     """
     planned, step = state.planned_steps, state.step
-    if config.time_budget != "calibrated" or planned is not None or step < config.warmup_steps:
+    if config.time_budget != "calibrated" or step < config.warmup_steps:
         return planned
-    if state.update_steps == 0:  # nothing yet says what an update costs
-        return None
-    per_step = (state.train_seconds - state.update_seconds) / step + state.update_seconds / state.update_steps
-    left = (config.max_train_seconds - state.train_seconds) * CALIBRATION_MARGIN
-    fits = step + int(left / max(per_step, 1e-9))
+    if planned is None:
+        if state.update_steps == 0:  # nothing yet says what an update costs
+            return None
+        return _fitting_steps(config, step, state.train_seconds, _pace(
+            state.train_seconds, step, state.update_seconds, state.update_steps))
+    if step != config.replan_step or planned <= step or state.plan_mark is None:
+        return planned
+    marked_step, marked_seconds, marked_updates, marked_update_seconds = state.plan_mark
+    if step <= marked_step:
+        return planned
+    updates = state.update_steps - marked_updates
+    update_seconds = state.update_seconds - marked_update_seconds
+    if updates == 0:  # none since the first plan: add the mean update of the run's
+        pace = (state.train_seconds - marked_seconds) / (step - marked_step) + state.update_seconds / max(
+            1, state.update_steps)
+    else:
+        pace = _pace(state.train_seconds - marked_seconds, step - marked_step, update_seconds, updates)
+    return _fitting_steps(config, step, state.train_seconds, pace)
+
+
+def _pace(seconds: float, steps: int, update_seconds: float, updates: int) -> float:
+    """Seconds a step: the mean of ``steps`` steps' time less their updates, plus the mean update."""
+    return (seconds - update_seconds) / steps + update_seconds / updates
+
+
+def _fitting_steps(config: GRPOConfig, step: int, seconds: float, pace: float) -> int:
+    """The steps that fit ``max_train_seconds`` after ``step`` steps and ``seconds`` at ``pace`` (with
+    the margin), at most ``max_steps``, rounded down to a multiple of 10 from 20 on."""
+    left = (config.max_train_seconds - seconds) * CALIBRATION_MARGIN
+    fits = step + int(left / max(pace, 1e-9))
     if fits >= config.max_steps:
         return config.max_steps
     return max(step, fits - fits % 10 if fits >= 20 else fits)

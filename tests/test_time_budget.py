@@ -26,9 +26,10 @@ class TiedFirst(Reward):
         return 0.0 if self.left >= 0 else sum(c.isdigit() for c in completion) / max(1, len(completion))
 
 
-def clocked(trainer, monkeypatch, seconds_per_sample: float, seconds_per_update: float = 0.0) -> list[float]:
-    """A fake clock that moves ``seconds_per_sample`` whenever the trainer samples, ``seconds_per_update``
-    whenever it runs a micro-batch's forward and backward, and not otherwise."""
+def clocked(trainer, monkeypatch, seconds_per_sample, seconds_per_update: float = 0.0) -> list[float]:
+    """A fake clock that moves ``seconds_per_sample`` (a number, or a function of the steps done)
+    whenever the trainer samples, ``seconds_per_update`` whenever it runs a micro-batch's forward and
+    backward, and not otherwise."""
     import grpo_engine.logging as logging_module
 
     now = [100.0]
@@ -36,7 +37,8 @@ def clocked(trainer, monkeypatch, seconds_per_sample: float, seconds_per_update:
     sample = trainer.sampler.sample
 
     def slow_sample(*args, **kwargs):
-        now[0] += seconds_per_sample
+        step = trainer.state.step
+        now[0] += seconds_per_sample(step) if callable(seconds_per_sample) else seconds_per_sample
         return sample(*args, **kwargs)
 
     trainer.sampler.sample = slow_sample
@@ -122,6 +124,63 @@ def test_a_warm_up_without_an_update_plans_at_the_first_step_that_updates(tmp_pa
     cosine += [0.0015 * (1 + math.cos(math.pi * k / 13)) for k in range(2, 13)]
     assert [m["lr"] for m in history] == pytest.approx([0.001, 0.002] + cosine)
     assert trainer.step_count == 15 and trainer.train_seconds == pytest.approx(50.0 + 11 * 20.0)
+
+
+def shortening(step: int) -> float:
+    """10 s a step for the 2 warm-up steps (the base model's long completions), 5 s from then on."""
+    return 10.0 if step < 2 else 5.0
+
+
+def test_a_replan_step_plans_again_from_the_steps_since_the_warm_up(tmp_path, monkeypatch):
+    """300 s, 2 warm-up steps of 10 s, then 5 s a step. The warm-up plans 2 + int(0.95 x 280 / 10) = 28
+    -> 20 steps, and that run ends at 110 s of its 300; planned again at step 10 (60 s so far, 5 s a step
+    since step 2): 10 + int(0.95 x 240 / 5) = 55 -> 50 steps, 260 s. The cosine follows 20 steps up to
+    step 10, then 50; a run resumed before step 10 plans the same."""
+    first = calibrated(tmp_path / "first", max_train_seconds=300.0)
+    clocked(first, monkeypatch, shortening)
+    first.train()
+    assert first.step_count == 20 and first.train_seconds == pytest.approx(110.0)
+    trainer = calibrated(tmp_path / "again", max_train_seconds=300.0, replan_step=10)
+    clocked(trainer, monkeypatch, shortening)
+    planned = []
+    for _ in range(11):
+        trainer.step()
+        planned.append(trainer.state.planned_steps)
+    assert planned == [None] + [20] * 8 + [50, 50]
+    assert trainer.state.plan_mark == (2, 20.0, 2, 0.0)
+    trainer.train()
+    assert trainer.step_count == 50 and trainer.train_seconds == pytest.approx(260.0)
+    cosine = [0.15 * (1 + math.cos(math.pi * k / 18)) for k in range(8)]
+    cosine += [0.15 * (1 + math.cos(math.pi * k / 48)) for k in range(8, 48)]
+    assert [m["lr"] for m in trainer.history] == pytest.approx([0.1, 0.2] + cosine)
+    saved = calibrated(tmp_path / "saved", max_train_seconds=300.0, replan_step=10, save_every_steps=5)
+    clocked(saved, monkeypatch, shortening)
+    assert [m["lr"] for m in saved.train()] == pytest.approx([0.1, 0.2] + cosine)
+    resumed = calibrated(tmp_path / "saved", max_train_seconds=300.0, replan_step=10, save_every_steps=5,
+                         components={"resume_from": str(tmp_path / "saved" / "checkpoint-5")})
+    clocked(resumed, monkeypatch, shortening)
+    rest = resumed.train()
+    assert resumed.step_count == 50 and [m["lr"] for m in rest] == pytest.approx(cosine[3:])
+
+
+def test_replan_step_needs_a_calibrated_budget_after_the_warm_up():
+    with pytest.raises(ConfigError, match="replan_step=20 revises a calibrated budget's plan, and "
+                                          "time_budget='clock'"):
+        GRPOConfig(replan_step=20, max_train_seconds=450, warmup_steps=4)
+    with pytest.raises(ConfigError, match=r"replan_step=4 must come after the warm-up \(warmup_steps=4\)"):
+        GRPOConfig(replan_step=4, time_budget="calibrated", max_train_seconds=450, warmup_steps=4)
+    config = GRPOConfig(max_steps=120, max_train_seconds=450, warmup_steps=4, time_budget="calibrated",
+                        replan_step=20)
+    mark = (4, 20.0, 4, 8.0)
+    state = TrainerState(step=20, train_seconds=100.0, update_steps=20, update_seconds=40.0, planned_steps=70,
+                         plan_mark=mark)
+    assert planned_steps(config, state) == 80  # (80 - 32) / 16 + 32 / 16 = 5 s: 20 + int(0.95 x 350 / 5) = 86
+    state.update_steps, state.update_seconds = 4, 8.0  # none updated since: 80 / 16 + the mean 2 s = 7 s
+    assert planned_steps(config, state) == 60  # 20 + int(0.95 x 350 / 7) = 67 -> 60 (down too)
+    state.step = 21
+    assert planned_steps(config, state) == 70  # only at replan_step
+    state.step, state.planned_steps = 20, 20
+    assert planned_steps(config, state) == 20  # a run that ends there is not planned again
 
 
 def test_planned_steps_rounds_down_to_tens_and_needs_a_budget_and_a_warm_up():
