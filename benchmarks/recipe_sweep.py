@@ -71,8 +71,8 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
     import torch
 
     from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
-    from grpo_engine.data import ChatTemplate, arithmetic_task
-    from grpo_engine.demo import DemoSettings, recipe_components, recipe_rewards, smollm2_folder
+    from grpo_engine.data import ChatTemplate
+    from grpo_engine.demo import DemoSettings, demo_task, recipe_components, recipe_rewards, smollm2_folder
     from grpo_engine.eval import greedy_accuracy
     from grpo_engine.losses import ClippedSurrogate
     from grpo_engine.models import load_model
@@ -91,7 +91,7 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
         loss = ClippedSurrogate(**variant["loss"])
     torch.manual_seed(s.seed)
     policy, tokenizer = load_model(model or smollm2_folder())
-    train, test = arithmetic_task(s.num_train, max(s.num_test, eval_problems or 0), seed=s.seed)
+    train, test = demo_task(dataclasses.replace(s, num_test=max(s.num_test, eval_problems or 0)))
     template, reward = ChatTemplate(instruction=s.instruction), MathAccuracy()
     rewards = recipe_rewards(s, reward)  # the training rewards; held-out accuracy is the reward itself
     with tempfile.TemporaryDirectory() as out:
@@ -137,11 +137,13 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
 
 
 def accuracy_by_kind(problems: list, correct: list[bool]) -> dict[str, list[int]]:
-    """``{kind: [correct, total]}`` with kinds ``"+"``, ``"- (result >= 0)"`` and ``"- (result < 0)"``."""
+    """``{kind: [correct, total]}`` with kinds ``"+"``, ``"- (result >= 0)"`` and ``"- (result < 0)"``
+    (the comparison task's: ``"largest"`` and ``"smallest"``)."""
     counts: dict[str, list[int]] = {}
     for problem, ok in zip(problems, correct):
-        op = problem.metadata["op"]
-        kind = op if op != "-" else ("- (result < 0)" if int(problem.target) < 0 else "- (result >= 0)")
+        op = problem.metadata.get("op")
+        kind = problem.metadata.get("kind", op) if op != "-" else (
+            "- (result < 0)" if int(problem.target) < 0 else "- (result >= 0)")
         entry = counts.setdefault(kind, [0, 0])
         entry[0] += ok
         entry[1] += 1
