@@ -15,8 +15,8 @@ batch), ``advantage`` (the name of a class in ``grpo_engine.advantages`` and its
 arguments, e.g. ``{"aggregation": "token"}``); both win over the recipe's ``advantage_std_scope``
 and ``loss_aggregation``. A ``lora_r`` of 0 trains every weight (no adapter). The recipe's
 ``train_seconds`` does not apply (a step budget; a ``linear`` / ``cosine`` ``lr_schedule`` decays
-over ``--steps``, from the peak the demo takes when it plans ``--steps`` steps: below its
-``lr_reference_steps`` the peak is raised, up to ``max_learning_rate``; a variant may set either).
+over ``--steps``, from the peak the demo takes when it plans ``--steps`` steps: ``learning_rate``,
+or with a variant's ``lr_reference_steps`` and ``max_learning_rate`` the raised peak of a shorter plan).
 
 ``--eval-problems N`` evaluates on the first N problems of a test split drawn with the same seed;
 its first ``num_test`` (256) problems are exactly the demo's held-out set (``arithmetic_task``

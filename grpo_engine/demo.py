@@ -54,11 +54,11 @@ class DemoSettings:
     eval_max_new_tokens: int = 24
     temperature: float = 1.0
     learning_rate: float = 3e-4
-    # a run the budget plans shorter than this peaks higher, at 3e-4 x 80 / its steps (4e-4 at 60), at
-    # most max_learning_rate: 4e-4 was level or ahead at 60 steps on three seeds, 5e-4 broke one, and at
-    # 80 steps 3.4e-4 was not better (benchmarks.md, "The recipe choices")
-    lr_reference_steps: int | None = 80
-    max_learning_rate: float = 4e-4
+    # None: the peak is learning_rate at any plan. A raise for shorter plans (80 and 4e-4: 3e-4 x 80 / its
+    # steps, at most 4e-4) gained 2.5 points at 60 arithmetic steps over three seeds, and lost 11.7 at 70
+    # steps on the comparison task (benchmarks.md, "The recipe choices")
+    lr_reference_steps: int | None = None
+    max_learning_rate: float | None = None
     lr_schedule: str = "cosine"  # a GRPOConfig.lr_schedule; linear / cosine decay over the run's steps
     lora_r: int = 16
     merge_lora_for_sampling: bool = True  # a MemoryPlan field: sample with the adapters merged (faster)

@@ -75,8 +75,9 @@ def test_accuracy_by_kind_splits_subtraction_by_the_sign_of_its_result():
 
 
 def test_a_short_sweep_peaks_where_the_demo_would_for_that_plan(tiny_folder, monkeypatch):
-    """3 steps with 1 warm-up step: the demo planning 3 steps peaks at min(3e-4 x 80 / 3, 4e-4) = 4e-4,
-    so the lr is 1.5e-4 (warm-up), 4e-4, then 2e-4 half-way down the cosine; a variant may lift the cap."""
+    """3 steps with 1 warm-up step: the demo's peak is 3e-4 at any plan, so the lr is 1.5e-4 (warm-up),
+    3e-4, then 1.5e-4 half-way down the cosine; a variant with lr_reference_steps 80 and a cap of 4e-4
+    peaks at min(3e-4 x 80 / 3, 4e-4) = 4e-4."""
     import grpo_engine
 
     built = []
@@ -90,10 +91,10 @@ def test_a_short_sweep_peaks_where_the_demo_would_for_that_plan(tiny_folder, mon
     small = {"num_train": 16, "num_test": 4, "max_completion_tokens": 4, "eval_max_new_tokens": 4,
              "config": {"warmup_steps": 1}}
     recipe_sweep.run_variant(small, steps=3, eval_every=3, model=str(tiny_folder), threads=1)
-    recipe_sweep.run_variant({**small, "max_learning_rate": 5e-4}, steps=3, eval_every=3,
-                             model=str(tiny_folder), threads=1)
-    assert [m["lr"] for m in built[0].history] == pytest.approx([1.5e-4, 4e-4, 2e-4])
-    assert [m["lr"] for m in built[1].history] == pytest.approx([1.5e-4, 5e-4, 2.5e-4])
+    recipe_sweep.run_variant({**small, "lr_reference_steps": 80, "max_learning_rate": 4e-4}, steps=3,
+                             eval_every=3, model=str(tiny_folder), threads=1)
+    assert [m["lr"] for m in built[0].history] == pytest.approx([1.5e-4, 3e-4, 1.5e-4])
+    assert [m["lr"] for m in built[1].history] == pytest.approx([1.5e-4, 4e-4, 2e-4])
 
 
 def test_lora_r_zero_trains_every_weight(tiny_folder, monkeypatch):
