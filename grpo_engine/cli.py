@@ -412,8 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train SmolLM2-135M-Instruct on arithmetic on this CPU (minutes)",
                           description="Measures held-out accuracy, trains GRPO + LoRA (the step count fixed "
-                          "by timing the warm-up against the budget), measures again, and prints a JSON "
-                          "summary as its last line.")
+                          "by timing the warm-up and steps 5-20 against the budget), measures again, and "
+                          "prints a JSON summary as its last line.")
     demo.add_argument("--task", choices=("arithmetic", "comparison"), default=DemoSettings.task,
                       help="two-digit + / - problems, or the largest / smallest of three numbers "
                       "(default %(default)s)")
