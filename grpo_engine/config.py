@@ -496,26 +496,18 @@ def planned_steps(config: GRPOConfig, state: Any) -> int | None:
     if planned is None:
         if state.update_steps == 0:  # nothing yet says what an update costs
             return None
-        return _fitting_steps(config, step, state.train_seconds, _pace(
-            state.train_seconds, step, state.update_seconds, state.update_steps))
+        mean_update = state.update_seconds / state.update_steps
+        pace = (state.train_seconds - state.update_seconds) / step + mean_update
+        return _fitting_steps(config, step, state.train_seconds, pace)
     if step != config.replan_step or planned <= step or state.plan_mark is None:
         return planned
     marked_step, marked_seconds, marked_updates, marked_update_seconds = state.plan_mark
-    if step <= marked_step:
-        return planned
     updates = state.update_steps - marked_updates
     update_seconds = state.update_seconds - marked_update_seconds
-    if updates == 0:  # none since the first plan: add the mean update of the run's
-        pace = (state.train_seconds - marked_seconds) / (step - marked_step) + state.update_seconds / max(
-            1, state.update_steps)
-    else:
-        pace = _pace(state.train_seconds - marked_seconds, step - marked_step, update_seconds, updates)
+    # none since the first plan: the run's mean update
+    mean_update = update_seconds / updates if updates else state.update_seconds / state.update_steps
+    pace = (state.train_seconds - marked_seconds - update_seconds) / (step - marked_step) + mean_update
     return _fitting_steps(config, step, state.train_seconds, pace)
-
-
-def _pace(seconds: float, steps: int, update_seconds: float, updates: int) -> float:
-    """Seconds a step: the mean of ``steps`` steps' time less their updates, plus the mean update."""
-    return (seconds - update_seconds) / steps + update_seconds / updates
 
 
 def _fitting_steps(config: GRPOConfig, step: int, seconds: float, pace: float) -> int:

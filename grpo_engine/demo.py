@@ -4,7 +4,8 @@ It measures greedy held-out accuracy on a seeded synthetic task (two-digit arith
 ``task="comparison"`` the largest / smallest of three numbers), trains with GRPO, measures again,
 writes ``metrics.jsonl`` and ``reward_curve.png`` to the output folder, and prints one JSON object as
 its last line. The run is repeatable: its step count is fixed by timing the warm-up steps against the
-training budget (``GRPOConfig(time_budget="calibrated")``: ``max_steps`` on a machine fast enough),
+training budget, and once more from steps 5-20 (``GRPOConfig(time_budget="calibrated",
+replan_step=20)``: ``max_steps`` on a machine fast enough),
 torch runs deterministic kernels, and it takes as many threads as there are cores not busy with
 other work (a busy core would stall every thread of a step).
 
@@ -40,8 +41,8 @@ class DemoSettings:
     train_seconds: float = 400.0  # the budget the training steps must fit in (see max_steps)
     max_steps: int = 100  # the run's steps, when they fit in train_seconds at the measured pace
     calibration_steps: int = 4  # warm-up steps, timed to fix the step count
-    # the step count is planned again at the end of this step, from the pace since the warm-up: the base
-    # model's long warm-up completions made the first plan use ~80% of the budget (docs/benchmarks.md)
+    # the step count is planned again at the end of this step, from the pace since the warm-up: 4 steps of
+    # the base model's longest completions are a rough first guess (docs/benchmarks.md)
     replan_step: int | None = 20
     task: str = "arithmetic"  # "arithmetic" (a + b, a - b) or "comparison" (largest / smallest of three)
     num_train: int = 1000
