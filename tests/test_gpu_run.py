@@ -226,3 +226,42 @@ def test_slim_wheel_drops_members_and_their_record_lines(tmp_path):
         assert z.read("pkg/lib_cuda130.so") == b"\1" * 10
     with pytest.raises(ValueError, match="no file of pkg-1.0-py3-none-any.whl matches"):
         slim_wheel.slim(wheel, ["pkg/lib_rocm*"])
+
+
+def test_the_determinism_check_finds_equal_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu/determinism.py's plumbing: on the CPU, two seeded runs and a resumed one are equal
+    bit for bit, and the JSON says so; a changed metric or weight is found (on a GPU it reports what
+    differs)."""
+    import shutil
+
+    import determinism
+    from safetensors.torch import load_file, save_file
+
+    out, work = tmp_path / "determinism.json", tmp_path / "runs"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "determinism.py"), "--cpu",
+                           "--settings", "lora", "--out", str(out), "--work", str(work)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["runs"]] == ["lora-default-1", "lora-default-2", "lora-deterministic-1",
+                                                   "lora-deterministic-2", "lora-deterministic-resumed"]
+    for name, pair in report["pairs"].items():
+        assert pair["first_differing_step"] is None and pair["same_weights"], (name, pair)
+        assert pair["max_weight"] > 0
+    assert report["pairs"]["lora-deterministic-resumed"]["steps_compared"] == [4, 5, 6]
+    assert report["pairs"]["lora-default"]["steps_compared"] == [1, 2, 3, 4, 5, 6]
+    # a copy with one metric and one weight changed is told apart
+    a, b = work / "lora-default-1", tmp_path / "changed"
+    shutil.copytree(a, b)
+    lines = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    lines[4]["loss"] += 1e-7
+    (b / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    weights = b / "final" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    key = sorted(tensors)[0]
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[0] += 0.5
+    save_file(tensors, weights)
+    pair = determinism.compare(a, b)
+    assert pair["first_differing_step"] == 5 and not pair["same_weights"]
+    assert abs(pair["max_weight_diff"] - 0.5) < 1e-3
