@@ -43,7 +43,7 @@ STEPS, SAVE_EVERY = 6, 3
 def worker(args: argparse.Namespace) -> None:
     """One seeded run into ``args.dir`` (``metrics.jsonl``, checkpoints, ``final/``)."""
     import torch
-    from _models import build_model, hash_score, make_prompts, word_tokenizer
+    from _models import SHAPES, build_model, hash_score, make_prompts, word_tokenizer
 
     from grpo_engine import ClippedSurrogate, GRPOConfig, GRPOTrainer, LoRA, MemoryPlan, Prompt, Reward
     from grpo_engine.checkpoint import Resume
@@ -63,14 +63,11 @@ def worker(args: argparse.Namespace) -> None:
     lora = args.setting == "lora"
     dtype = "bfloat16" if lora and not args.cpu else "float32"
     model = build_model(shape, seed=0, dtype=dtype, device=device)
-    from _models import SHAPES
-
     vocab = SHAPES[shape].vocab
     config = GRPOConfig(prompts_per_step=4, group_size=8, max_prompt_tokens=32, max_completion_tokens=64,
                         max_steps=STEPS, learning_rate=1e-5 if not lora else 1e-4, lr_schedule="constant",
                         warmup_steps=0, seed=0, save_every_steps=SAVE_EVERY if lora else None,
-                        output_dir=args.dir,
-                        progress_bar=False)
+                        output_dir=args.dir, progress_bar=False)
     memory = MemoryPlan(lora=LoRA(r=16, alpha=32, target_modules="all-linear") if lora else None,
                         dtype=dtype, micro_batch_size=8,
                         compute_dtype="bfloat16" if not lora and not args.cpu else None)
@@ -186,7 +183,7 @@ def _check(root: Path, settings: list[str], args: argparse.Namespace) -> int:
                 pair = result["pairs"][f"{setting}-{mode}"] = compare(root / names[0], root / names[1])
                 print(f"{setting}, {mode}: {_said(pair)}", flush=True)
                 save()
-        first = root / "lora-deterministic-1"
+        first = root / "lora-deterministic-1"  # a LoRA run resumes from its checkpoint
         if setting == "lora" and (first / f"checkpoint-{SAVE_EVERY}").is_dir():
             resumed = root / "lora-deterministic-resumed"
             shutil.copytree(first / f"checkpoint-{SAVE_EVERY}", resumed / f"checkpoint-{SAVE_EVERY}")
