@@ -6,7 +6,10 @@ then ours, ...). The parent prints a summary, writes ``learning.png`` (held-out 
 training wall time) and ``report.json`` to ``--out``, and prints one JSON object as its last line:
 ``{"task", "budget_s", "ours": {"before", "after", "steps", ..., "settings"}, "trl": {...},
 "delta_after_pts", ...}``; each engine's ``settings`` (also a "used" line of the summary) is what
-it trained with. ``report.json`` is rewritten after each worker, so a crash keeps what finished.
+it trained with. ``report.json`` (rewritten after each worker, so a crash keeps what finished) also holds
+each run's mean reward, mean completion length and truncated fraction per step (the fraction of the
+step's completions cut at the token limit) and the trained policy's greedy completions of the
+curve's prompts (``completions_after``).
 
     python benchmarks/learning.py                       # identical settings, 480 s each, SmolLM2-135M
     python benchmarks/learning.py --mode defaults --seeds 2 --budget-s 300   # recommended settings
@@ -202,13 +205,16 @@ class Setup:
     template: object
     reward: object
     spec: Spec
+    last_completions: list[str] = dataclasses.field(default_factory=list)
 
     def accuracy(self, policy, prompts) -> float:
+        """Greedy accuracy on ``prompts``; their completions are kept in ``last_completions``."""
         from grpo_engine.eval import greedy_accuracy
 
-        return greedy_accuracy(policy, self.tokenizer, prompts, self.reward, template=self.template,
-                               max_new_tokens=self.spec.max_completion_tokens,
-                               batch_size=len(prompts)).accuracy
+        result = greedy_accuracy(policy, self.tokenizer, prompts, self.reward, template=self.template,
+                                 max_new_tokens=self.spec.max_completion_tokens, batch_size=len(prompts))
+        self.last_completions = list(result.completions)
+        return result.accuracy
 
     def clock(self, policy: Callable[[], object]) -> TrainingClock:
         subset = self.test[:self.spec.eval_subset]
@@ -290,14 +296,17 @@ def run_ours(spec: Spec, workdir: str) -> dict:
                           template=s.template, advantage=advantage, loss=loss)
     clock = s.clock(lambda: trainer.model)
     clock.checkpoint()
-    rewards = []
+    rewards, lengths, truncated = [], [], []
     while not clock.spent:
         start = time.perf_counter()
         metrics = trainer.step()
         clock.step_done(time.perf_counter() - start)
         rewards.append(metrics["reward/mean"])
+        lengths.append(metrics["completion_length/mean"])
+        truncated.append(metrics["truncated_fraction"])
     clock.checkpoint()
     after = s.accuracy(trainer.model, s.test)
+    answers = s.last_completions[:spec.eval_subset]  # the trained policy's greedy completions
     ids, mask = trainer.sampler.encode_prompts(s.train[:1])
     settings = {
         "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
@@ -320,7 +329,8 @@ def run_ours(spec: Spec, workdir: str) -> dict:
         "optimizer": f"{type(trainer.optimizer).__name__}(fused={trainer.optimizer.defaults.get('fused')})",
     }
     return {"before": before, "after": after, **clock.summary(), "reward_mean_per_step": rewards,
-            "settings": settings, "prompt_ids": ids[0][mask[0]].tolist()}
+            "completion_length_per_step": lengths, "truncated_fraction_per_step": truncated,
+            "completions_after": answers, "settings": settings, "prompt_ids": ids[0][mask[0]].tolist()}
 
 
 def run_trl(spec: Spec, workdir: str) -> dict:
@@ -392,6 +402,7 @@ def run_trl(spec: Spec, workdir: str) -> dict:
     trainer.train()
     clock.checkpoint()
     after = s.accuracy(trainer.model, s.test)
+    answers = s.last_completions[:spec.eval_subset]  # the trained policy's greedy completions
     a = trainer.args
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     settings = {
@@ -419,9 +430,12 @@ def run_trl(spec: Spec, workdir: str) -> dict:
         prompt_ids = list(trainer._tokenize_prompts([s.template.messages(s.train[0])])[0][0])
     except Exception:
         prompt_ids = None
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"before": before, "after": after, **clock.summary(), "reward_mean_per_step": rewards,
-            "settings": settings, "prompt_ids": prompt_ids}
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    return {"before": before, "after": after, **clock.summary(),
+            "reward_mean_per_step": [h["reward"] for h in logged],
+            "completion_length_per_step": [h.get("completions/mean_length") for h in logged],
+            "truncated_fraction_per_step": [h.get("completions/clipped_ratio") for h in logged],
+            "completions_after": answers, "settings": settings, "prompt_ids": prompt_ids}
 
 
 def worker(engine: str, spec: Spec) -> dict:

@@ -93,6 +93,14 @@ def test_smoke_run_trains_both_engines_and_reports(tiny_folder, tmp_path, capsys
         assert curve[0]["train_s"] == 0.0 and curve[0]["step"] == 0 and len(curve) >= 2
         assert curve[-1]["train_s"] == run["train_s"] and curve[-1]["step"] == run["steps"]
         assert sum(run["step_s"]) == pytest.approx(run["train_s"])
+        # one record per optimizer step: lengths within the limit, truncated fractions of 4 completions
+        assert len(run["reward_mean_per_step"]) == len(run["completion_length_per_step"]) == run["steps"]
+        assert all(1 <= x <= 4 for x in run["completion_length_per_step"])
+        assert [x * 4 for x in run["truncated_fraction_per_step"]] == [
+            round(x * 4) for x in run["truncated_fraction_per_step"]]
+        assert len(run["truncated_fraction_per_step"]) == run["steps"]
+        assert len(run["completions_after"]) == 4
+        assert all(isinstance(t, str) for t in run["completions_after"])
     ours, trl = report["runs"]["ours"][0], report["runs"]["trl"][0]
     assert ours["settings"] == trl["settings"]  # identical mode: what each engine holds
     assert last["ours"]["settings"] == ours["settings"] and last["trl"]["settings"] == trl["settings"]
