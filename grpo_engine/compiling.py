@@ -70,12 +70,13 @@ def _attention_function(module: nn.Module, name: str):
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                    completion_mask: Tensor, *, distinct: tuple[Tensor, Tensor] | None) -> Tensor:
-    """[n, C, H] hidden states predicting each completion token, through compiled layers: with
-    ``distinct`` (:func:`grpo_engine.logprobs` ``_distinct_rows``: fewer distinct prompts than rows) and
-    a model :func:`grpo_engine.sampling.static.supports_static` accepts, the prompt once per distinct
-    prompt (module docstring); else the whole [prompt, completion] of each row."""
+def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, fed_ids: Tensor,
+                    fed_mask: Tensor, *, distinct: tuple[Tensor, Tensor] | None) -> Tensor:
+    """[n, C, H] hidden states predicting each completion token, given its first C - 1 tokens
+    ``fed_ids`` / ``fed_mask``, through compiled layers: with ``distinct`` (:func:`grpo_engine.logprobs`
+    ``_distinct_rows``: fewer distinct prompts than rows) and a model
+    :func:`grpo_engine.sampling.static.supports_static` accepts, the prompt once per distinct prompt
+    (module docstring); else the whole [prompt, fed tokens] of each row."""
     from grpo_engine.logprobs import position_ids_from_mask
     from grpo_engine.sampling.static import (
         attention_implementation,
@@ -87,18 +88,18 @@ def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, c
     decoder = model.get_decoder()
     n, width = prompt_ids.shape
     if distinct is None or supports_static(model) is not None:
-        mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
+        mask = torch.cat([prompt_mask, fed_mask], dim=1).long()  # [n, P + C - 1]
         with compiled_layers(model):
-            out = decoder(input_ids=torch.cat([prompt_ids, completion_ids], dim=1), attention_mask=mask,
+            out = decoder(input_ids=torch.cat([prompt_ids, fed_ids], dim=1), attention_mask=mask,
                           position_ids=position_ids_from_mask(mask), use_cache=False)
-        return out.last_hidden_state[:, width - 1:-1]  # position t-1 predicts completion token t
+        return out.last_hidden_state[:, width - 1:]  # position t-1 predicts completion token t
     first, inverse = distinct
     device, dtype = prompt_ids.device, model.get_input_embeddings().weight.dtype  # (a 4-bit base: not its)
     head_mask = prompt_mask[first]  # [u, P]
-    length = completion_ids.shape[1]
+    length = fed_ids.shape[1]
     allowed = torch.cat([prompt_mask[:, None, None, :].expand(n, 1, length, width),
                          torch.ones(length, length, dtype=torch.bool, device=device).tril()
-                         & completion_mask[:, None, None, :]], dim=-1)  # [n, 1, C, P + C]
+                         & fed_mask[:, None, None, :]], dim=-1)  # [n, 1, C - 1, P + C - 1]
     record: list[tuple[Tensor, Tensor]] = []
     with attention_implementation(decoder.config, SHARED_ATTENTION, shared_prompt_attention) as before:
         base = before or "eager"
@@ -107,13 +108,15 @@ def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, c
                        attention_mask=attention_mask(prompt_attention(head_mask), eager, dtype),
                        position_ids=position_ids_from_mask(head_mask.long()), use_cache=False,
                        attention_base=base, prompt_record=record)  # eager: it appends to `record`
+        last_prompt = head.last_hidden_state[:, -1][inverse]  # [n, H]: predicts completion token 0
+        if length == 0:  # one-token completions
+            return last_prompt[:, None]
         prompt_kv = [(key[inverse], value[inverse]) for key, value in record]  # [u, ...] -> [n, ...]
-        positions = position_ids_from_mask(torch.cat([prompt_mask, completion_mask], dim=1).long())
+        positions = position_ids_from_mask(torch.cat([prompt_mask, fed_mask], dim=1).long())
         with compiled_layers(model, prompt_kv):
-            rest = decoder(input_ids=completion_ids, attention_mask=attention_mask(allowed, eager, dtype),
+            rest = decoder(input_ids=fed_ids, attention_mask=attention_mask(allowed, eager, dtype),
                            position_ids=positions[:, width:], use_cache=False, attention_base=base)
-    last_prompt = head.last_hidden_state[:, -1][inverse]  # [n, H]: predicts completion token 0
-    return torch.cat([last_prompt[:, None], rest.last_hidden_state[:, :-1]], dim=1)
+    return torch.cat([last_prompt[:, None], rest.last_hidden_state], dim=1)
 
 
 def _compiled(layer: nn.Module):

@@ -166,26 +166,25 @@ def completion_logprobs(
                 else None)
     if distinct is not None and len(distinct[0]) == prompt_ids.shape[0]:
         distinct = None  # every prompt distinct: nothing to share
+    # the last completion token predicts nothing that is scored: the decoder is fed the others
+    fed_ids, fed_mask = completion_ids[:, :-1], completion_mask[:, :-1]
     if compiled:
         from grpo_engine.compiling import compiled_hidden
 
-        predicting = compiled_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                     distinct=distinct)
+        predicting = compiled_hidden(model, prompt_ids, prompt_mask, fed_ids, fed_mask, distinct=distinct)
     elif distinct is not None:
-        predicting = _shared_prompt_hidden(decoder, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                           *distinct)
+        predicting = _shared_prompt_hidden(decoder, prompt_ids, prompt_mask, fed_ids, fed_mask, *distinct)
     else:
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, T]
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
+        input_ids = torch.cat([prompt_ids, fed_ids], dim=1)  # [n, P + C - 1]
+        attention_mask = torch.cat([prompt_mask, fed_mask], dim=1).long()
         out = decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask),
             use_cache=False,
         )
-        hidden = _last_hidden(out)  # [n, T, H]
         # position t-1 predicts completion token t
-        predicting = hidden[:, prompt_ids.shape[1] - 1:-1]  # [n, C, H]
+        predicting = _last_hidden(out)[:, prompt_ids.shape[1] - 1:]  # [n, C, H]
     keep = completion_mask.bool() if score_mask is None else score_mask.bool() & completion_mask.bool()
     selected = selective_logprobs(
         predicting[keep],
@@ -243,19 +242,22 @@ def can_share_prompt(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) 
             and len(_distinct_rows(prompt_ids, prompt_mask)[0]) < prompt_ids.shape[0])
 
 
-def _shared_prompt_hidden(decoder: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                          completion_mask: Tensor, first: Tensor, inverse: Tensor) -> Tensor:
-    """[n, C, H] hidden states predicting each completion token, the prompt run once per distinct prompt
-    (``first``, ``inverse``: from :func:`_distinct_rows`)."""
+def _shared_prompt_hidden(decoder: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, fed_ids: Tensor,
+                          fed_mask: Tensor, first: Tensor, inverse: Tensor) -> Tensor:
+    """[n, C, H] hidden states predicting each completion token, given the completion's first C - 1
+    tokens ``fed_ids`` / ``fed_mask``; the prompt runs once per distinct prompt (``first``, ``inverse``:
+    from :func:`_distinct_rows`)."""
     head_mask = prompt_mask[first].long()  # [u, P]
     out = decoder(input_ids=prompt_ids[first], attention_mask=head_mask,
-                  position_ids=position_ids_from_mask(head_mask), use_cache=True)
+                  position_ids=position_ids_from_mask(head_mask), use_cache=fed_ids.shape[1] > 0)
+    last_prompt = _last_hidden(out)[:, -1][inverse]  # [n, H]: predicts completion token 0
+    if fed_ids.shape[1] == 0:  # one-token completions
+        return last_prompt[:, None]
     name, cache = kv_cache(out)
     cache.batch_select_indices(inverse)  # [u, ...] -> [n, ...]; differentiable gathers
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [n, T]
+    attention_mask = torch.cat([prompt_mask, fed_mask], dim=1).long()  # [n, P + C - 1]
     num_prompt = prompt_ids.shape[1]
-    rest = decoder(input_ids=completion_ids, attention_mask=attention_mask,
+    rest = decoder(input_ids=fed_ids, attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask)[:, num_prompt:], use_cache=True,
                    **{name: cache})
-    last_prompt = _last_hidden(out)[:, -1][inverse]  # [n, H]: predicts completion token 0
-    return torch.cat([last_prompt[:, None], _last_hidden(rest)[:, :-1]], dim=1)
+    return torch.cat([last_prompt[:, None], _last_hidden(rest)], dim=1)

@@ -75,10 +75,30 @@ def test_prompt_sharing_runs_the_prompt_once_per_group(monkeypatch):
     decoder.register_forward_pre_hook(lambda mod, args, kwargs: rows_seen.append(kwargs["input_ids"].shape),
                                       with_kwargs=True)
     completion_logprobs(model, pid, pmask, cid, cmask, share_prompt=True)
-    assert rows_seen == [torch.Size([2, 6]), torch.Size([6, 5])]  # 2 prompts once, then 6 completions
+    # 2 prompts once, then 6 completions without their last token (it predicts nothing that is scored)
+    assert rows_seen == [torch.Size([2, 6]), torch.Size([6, 4])]
     rows_seen.clear()
     completion_logprobs(model, pid, pmask, cid, cmask, share_prompt=False)
-    assert rows_seen == [torch.Size([6, 11])]
+    assert rows_seen == [torch.Size([6, 10])]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_one_token_completions_match_the_whole_sequence_logits(compiled):
+    # C = 1: the prompt's last position predicts the only token; no completion pass runs
+    tok = char_tokenizer()
+    model = lora_model(len(tok)).double()
+    model.eval()
+    pid, pmask, cid, _ = grouped_batch(len(tok), completion_len=1)
+    cmask = torch.ones_like(cid, dtype=torch.bool)
+    mask = torch.cat([pmask, cmask], dim=1).long()
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([pid, cid], dim=1), attention_mask=mask,
+                       position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        want = torch.log_softmax(logits[:, pid.shape[1] - 1], dim=-1).gather(1, cid)
+        for share in (False, True):
+            got = completion_logprobs(model, pid, pmask, cid, cmask, share_prompt=share, compiled=compiled)
+            assert got.shape == (6, 1)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
 
 
 def test_prompt_sharing_is_off_where_it_cannot_apply():
