@@ -204,13 +204,15 @@ class _TiledLinearLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor | None):
         hidden, weight, bias, targets, log_norm = ctx.saved_tensors
         dtype = ctx.dtype
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        one_tile = weight.shape[0] <= ctx.tile  # the sums below are then single products: no zeroed buffers
+        grad_hidden = (None if one_tile else
+                       torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device))
         grad_weight = None
         if ctx.needs_input_grad[1] and ctx.into_grad:  # added into .grad here; autograd gets None
-            if weight.grad is None:
+            if weight.grad is None and not one_tile:
                 weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
             grad_weight = weight.grad
-        elif ctx.needs_input_grad[1]:
+        elif ctx.needs_input_grad[1] and not one_tile:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if bias is not None and ctx.needs_input_grad[2] else None
@@ -232,9 +234,19 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                 if grad_bias is not None:
                     grad_bias[start:stop] += g.sum(0)
                 g = g.to(dtype)
-                grad_hidden += g @ w
-                if grad_weight is not None:
-                    grad_weight[start:stop] += g.T @ h
+                if not one_tile:
+                    grad_hidden += g @ w
+                    if grad_weight is not None:
+                        grad_weight[start:stop] += g.T @ h
+                    continue
+                # one tile: the sums' values (0 + x is x) without zeroing a buffer for them
+                grad_hidden = (g @ w).float()
+                if grad_weight is not None:  # .grad held a gradient already
+                    grad_weight += g.T @ h
+                elif ctx.needs_input_grad[1] and ctx.into_grad:
+                    weight.grad = (g.T @ h).to(weight.dtype)
+                elif ctx.needs_input_grad[1]:
+                    grad_weight = (g.T @ h).float()
         return (grad_hidden.to(hidden.dtype),
                 grad_weight.to(weight.dtype) if grad_weight is not None and not ctx.into_grad else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None)

@@ -175,19 +175,26 @@ def test_the_graph_warm_up_leaves_no_trace():
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 
 
-def test_the_compiled_step_draws_the_eager_tokens():
+def test_the_compiled_step_draws_the_eager_tokens(monkeypatch):
     """torch.compile of the step (about 30 s on 2 cores): the uniforms are drawn outside it, so the
-    random stream and the tokens are the eager path's."""
+    random stream and the tokens are the eager path's. Only the first step goes through torch.compile;
+    every later one calls its compiled graph directly."""
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     ids, mask, eos = ragged_prompts(model, tok)
     kw = dict(repeats=3, max_new_tokens=12, eos_ids=[eos], pad_id=0, draw=DRAWS["sampled"])
     torch.manual_seed(0)
     eager = decode_static(model, ids, mask, **kw)
-    torch.manual_seed(0)
-    compiled = decode_static(model, ids, mask, mode="compiled", **kw)
-    assert torch.equal(eager[0], compiled[0])
-    torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
+    steps, fill = [], StaticDecoder.fill_uniforms
+    monkeypatch.setattr(StaticDecoder, "fill_uniforms", lambda self: steps.append(1) or fill(self))
+    for _ in range(2):  # the second call reuses the first call's graph
+        torch.manual_seed(0)
+        steps.clear()
+        info = {}
+        compiled = decode_static(model, ids, mask, mode="compiled", info=info, **kw)
+        assert torch.equal(eager[0], compiled[0])
+        torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
+        assert len(steps) > 1 and info["direct_steps"] == len(steps) - 1
 
 
 # -- which path runs ----------------------------------------------------------------------------

@@ -119,32 +119,34 @@ def test_under_autocast_the_backward_softmax_agrees_with_the_forward_normaliser(
     assert abs(float(grad_bias.sum())) < 1e-4 * 9
 
 
-def _two_micro_batches(model, into_grad: bool) -> list[torch.Tensor]:
+def _two_micro_batches(model, into_grad: bool, tile: int = 7) -> list[torch.Tensor]:
     """Full fine-tuning gradients of two accumulated micro-batches through the tiled head."""
     from grpo_engine.vocab_tiled import gradients_into_grad
 
     model.zero_grad(set_to_none=True)
     for seed in (0, 1):
         with gradients_into_grad(model) if into_grad else contextlib.nullcontext():
-            lp = completion_logprobs(model, *batch(seed), vocab_tile=7)
+            lp = completion_logprobs(model, *batch(seed), vocab_tile=tile)
         (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("tile", [7, 64], ids=["tiles", "one-tile"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_gradients_written_into_grad_equal_autograds(tied):
+def test_gradients_written_into_grad_equal_autograds(tied, tile):
     """Inside gradients_into_grad the head's and the embedding's weight gradients are added into .grad by
     their own backward (autograd is given none: torch.autograd.grad sees no path to them), and two
     accumulated micro-batches give autograd's gradients; the embedding's padding row (id 0) gets none from
-    the lookup, as nn.Embedding's (untied: none at all)."""
+    the lookup, as nn.Embedding's (untied: none at all). With one tile the first micro-batch's head
+    gradient becomes .grad itself (tied: before the embedding's rows are added into it)."""
     from grpo_engine.vocab_tiled import gradients_into_grad
 
     model = tiny_llama(V, seed=3)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.embed_tokens.padding_idx = 0
-    want = _two_micro_batches(copy.deepcopy(model), into_grad=False)
-    got = _two_micro_batches(model, into_grad=True)
+    want = _two_micro_batches(copy.deepcopy(model), into_grad=False, tile=tile)
+    got = _two_micro_batches(model, into_grad=True, tile=tile)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert tied or float(got[0][0].abs().max()) == 0.0  # the embedding's padding row
@@ -190,6 +192,53 @@ def test_inside_gradients_into_grad_no_vocabulary_sized_gradient_buffer_is_made(
 
     assert full_size_buffers(into_grad=False) >= 2
     assert full_size_buffers(into_grad=True) == 0
+
+
+@pytest.mark.parametrize("into_grad", [False, True])
+def test_one_tile_backward_zeroes_no_gradient_buffer(into_grad):
+    """With the vocabulary in one tile the backward's sums are single products: it zeroes no buffer for the
+    hidden states' or the weight's gradient (with 3 tiles it zeroes both), and the gradients equal the
+    fp64 reference's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo_engine.vocab_tiled import gradients_into_grad
+
+    class Zeroed(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            aten = torch.ops.aten
+            if func in (aten.zeros.default, aten.zero_.default, aten.fill_.Scalar, aten.zeros_like.default,
+                        aten.new_zeros.default):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    g = torch.Generator().manual_seed(8)
+    hidden0, upstream = torch.randn(5, 6, generator=g), torch.randn(5, generator=g)
+    targets = torch.tensor([0, 3, 10, 7, 3])
+    head = torch.nn.Linear(6, 11, bias=False)
+
+    def zeroed(tile: int):
+        head.zero_grad(set_to_none=True)
+        hidden = hidden0.clone().requires_grad_(True)
+        with gradients_into_grad(head) if into_grad else contextlib.nullcontext():
+            lp, _ = tiled_linear_logprobs(hidden, head, targets, vocab_tile=tile, keep_logits=True)
+        with Zeroed() as mode:
+            (lp * upstream).sum().backward()
+        return mode.shapes, hidden.grad, head.weight.grad
+
+    shapes, grad_hidden, grad_weight = zeroed(tile=16)
+    assert (5, 6) not in shapes and (11, 6) not in shapes
+    reference = hidden0.clone().requires_grad_(True)
+    weight = head.weight.detach().clone().requires_grad_(True)
+    (naive(reference, weight, None, targets, 1.0)[0].float() * upstream).sum().backward()
+    torch.testing.assert_close(grad_hidden, reference.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_weight, weight.grad, rtol=1e-5, atol=1e-6)
+    shapes = zeroed(tile=4)[0]
+    assert (5, 6) in shapes and (11, 6) in shapes
 
 
 def _counted_tile_logits(monkeypatch) -> list[int]:
