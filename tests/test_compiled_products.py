@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not products.compiled_products_available(),
                                 reason="this torch lacks inductor_force_stride_order")
 
 
-@pytest.mark.parametrize("shape", [(5, 24), (2, 3, 24), (4, 1, 24)])
+@pytest.mark.parametrize("shape", [(5, 24), (2, 3, 24), (4, 1, 24), (40, 24), (3, 12, 24)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_reduction_computes_f_linear(shape, bias):
     torch.manual_seed(0)
@@ -55,6 +55,22 @@ def test_only_compiled_code_changes_and_the_layers_are_restored():
             eager = model(input_ids=x).logits
     assert torch.equal(eager, plain)  # eager code runs F.linear as before
     assert "forward" in vars(extra[1]) and all("forward" not in vars(m) for m in layers if m is not extra[1])
+
+
+@pytest.mark.parametrize("rows,sums", [(6, 6), (products.UNROLLED_ROWS, products.UNROLLED_ROWS),
+                                       (products.UNROLLED_ROWS + 1, 1)])
+def test_up_to_the_unrolled_rows_each_row_is_its_own_sum(rows, sums):
+    """The traced product (what inductor compiles) sums each row on its own up to UNROLLED_ROWS rows, so
+    that inductor fuses the sums into one loop with an accumulator per row; above, one sum."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    weight, x = torch.randn(40, 24), torch.randn(rows, 24)
+    graph = make_fx(lambda x, w: products.product_as_reduction(x, w, None))(x, weight).graph
+    assert sum(node.target == torch.ops.aten.sum.dim_IntList for node in graph.nodes) == sums
+    compiled = torch.compile(products.product_as_reduction, dynamic=False)
+    with torch.no_grad():
+        out = compiled(x, weight, None)
+    torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=1e-6, atol=1e-5)
 
 
 def _matrix_products(code: list[str]) -> int:
