@@ -259,3 +259,30 @@ def test_logprobs_match_a_full_forward():
                        position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits
     expected = F.log_softmax(logits[:, 4:-1].double() / 0.7, -1).gather(-1, out[..., None]).squeeze(-1)
     torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_only_a_step_that_writes_tensors_in_place_is_called_directly():
+    """_first_compiled_step hands back the graph for direct calls only when the step ran as one graph that
+    returned nothing (every write in place); a step that rebinds an attribute makes dynamo return the new
+    tensor to store, so its later steps keep going through torch.compile. Nothing is recorded afterwards."""
+
+    class InPlace:
+        def __init__(self):
+            self.x = torch.zeros(3)
+
+        def step(self):
+            self.x.add_(1)
+
+    class Rebinds(InPlace):
+        def step(self):
+            self.x = self.x + 1
+
+    for kind, direct_expected in ((InPlace, True), (Rebinds, False)):
+        step = torch.compile(kind.step, dynamic=False, backend=static._recording_backend(None))
+        state = kind()
+        direct = static._first_compiled_step(step, state)
+        assert (direct is not None) is direct_expected
+        assert static._GRAPH_RUNS[0] is None
+        for _ in range(2):
+            direct() if direct is not None else step(state)
+        assert torch.equal(state.x, torch.full((3,), 3.0))

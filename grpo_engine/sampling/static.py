@@ -286,14 +286,16 @@ class StaticDecoder:
 
 
 _COMPILED_STEPS: dict[str, object] = {}  # device type -> the compiled step
-# (graph, arguments, outputs) of each run of a compiled graph of the step since the list was last cleared
-_GRAPH_RUNS: list[tuple[Callable, tuple, object]] = []
+# (graph, arguments, outputs) of each run of a compiled graph of the step inside _first_compiled_step; None
+# elsewhere, so that no run outside it keeps its tensors (a KV cache) alive
+_GRAPH_RUNS: list[list[tuple[Callable, tuple, object]] | None] = [None]
 
 
 def _recording_backend(options: dict | None):
     """Inductor (``compile_fx``, as ``torch.compile``'s default backend) with each compiled graph wrapped
-    to record its runs in ``_GRAPH_RUNS``: the arguments dynamo passes it are the step's tensors, read
-    from the decoder and the model. None where this torch has no ``compile_fx``."""
+    to record its runs in ``_GRAPH_RUNS`` while :func:`_first_compiled_step` runs: the arguments dynamo
+    passes it are the step's tensors, read from the decoder and the model. None where this torch has no
+    ``compile_fx``."""
     try:
         from torch._inductor.compile_fx import compile_fx
     except ImportError:
@@ -304,7 +306,8 @@ def _recording_backend(options: dict | None):
 
         def run(*args):
             out = graph(*args)
-            _GRAPH_RUNS.append((graph, args, out))
+            if _GRAPH_RUNS[0] is not None:
+                _GRAPH_RUNS[0].append((graph, args, out))
             return out
         return run
     return backend
@@ -331,10 +334,11 @@ def _first_compiled_step(step, decoder: StaticDecoder) -> Callable[[], object] |
     on the CPU). It is exact because every later step of the call reads and writes the same tensors, in
     place, with the same shapes, under the same modules (the step changes no Python state), and a graph
     that returns nothing leaves dynamo nothing to write back."""
-    _GRAPH_RUNS.clear()
-    step(decoder)
-    runs = list(_GRAPH_RUNS)
-    _GRAPH_RUNS.clear()
+    runs = _GRAPH_RUNS[0] = []
+    try:
+        step(decoder)
+    finally:
+        _GRAPH_RUNS[0] = None
     if len(runs) != 1 or runs[0][2] not in (None, (), []):
         return None
     graph, args, _ = runs[0]
