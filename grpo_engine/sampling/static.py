@@ -436,12 +436,11 @@ def decode_static(model: nn.Module, ids: Tensor, mask: Tensor, *, repeats: int, 
                 stack.enter_context(_later_steps())
             if graph is not None:
                 graph.replay()
-            elif direct is not None:
-                decoder.fill_uniforms()
-                direct()
             else:
                 decoder.fill_uniforms()
-                if t == 0 and mode == "compiled":
+                if direct is not None:
+                    direct()
+                elif t == 0 and mode == "compiled":
                     direct = _first_compiled_step(step, decoder)
                 else:
                     step(decoder)
