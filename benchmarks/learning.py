@@ -14,6 +14,7 @@ curve's prompts (``completions_after``).
     python benchmarks/learning.py                       # identical settings, 480 s each, SmolLM2-135M
     python benchmarks/learning.py --mode defaults --seeds 2 --budget-s 300   # recommended settings
     python benchmarks/learning.py --mode defaults --first-seed 2 --seeds 1   # seed 2 alone, later
+    python benchmarks/learning.py --steps 80 --num-test 256   # equal work: 80 steps each, no time budget
 
 The task (exactly the demo's, ``grpo_engine.demo``): ``arithmetic_task(num_train, num_test,
 seed=task_seed)`` (two-digit ``a + b`` / ``a - b``, train and test drawn without replacement from
@@ -31,6 +32,11 @@ per evaluation): ``before`` and ``after`` on the whole test split, the base mode
 trainer is built and the trained (adapter-wrapped) policy after the budget; the curve on the first
 ``--eval-subset`` test prompts, at training time 0, every ``--eval-every-s`` seconds of training
 time and at the end. Evaluation runs with the training clock stopped.
+
+``--steps N`` compares equal work instead of equal time: each engine trains exactly N optimizer
+steps, whatever they take, and the curve has a point every ``--eval-every-steps`` steps; it shows
+whether the two learn alike per step over a whole run (the time-budgeted comparison then differs
+only by each engine's step time).
 
 Training wall time: ours, the sum of ``trainer.step()`` durations; TRL, the time between
 ``on_train_begin`` / consecutive ``on_step_end`` callbacks minus the evaluations inside them.
@@ -114,6 +120,7 @@ TRL_DEFAULTS_LR = 1e-4  # TRL's LoRA rate on this task in our runs (its default,
 # what a TRL user picks on a CPU: TRL's defaults turn on bf16 autocast and gradient checkpointing, both
 # choices for a GPU (and a 135M model with LoRA is not short of memory)
 TRL_ON_CPU = {"bf16": False, "fp16": False, "gradient_checkpointing": False}
+STEP_LIMIT_S = 120.0  # with --steps, a worker taking longer than this per step is killed
 TRL_AGGREGATION = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}
 
 
@@ -125,6 +132,8 @@ class Spec:
     mode: str = "identical"  # "identical" or "defaults"
     seed: int = 0
     budget_s: float = 480.0
+    steps: int | None = None  # equal work: both stop after this many optimizer steps (no time budget)
+    eval_every_steps: int = 10  # with ``steps``: a curve point every this many steps
     task_seed: int = 0
     num_train: int = 1000
     num_test: int = 64
@@ -148,12 +157,17 @@ class TrainingClock:
     """Training wall time with evaluation excluded, and the accuracy curve over it.
 
     ``step_done(seconds)`` adds one step; once the training time passes the next multiple of
-    ``eval_every_s`` (and the budget is not spent) it evaluates, with the clock stopped.
+    ``eval_every_s`` (and the budget is not spent) it evaluates, with the clock stopped. With
+    ``max_steps`` (equal work) the run is spent after that many steps instead of at the budget, and
+    the curve has a point every ``eval_every_steps`` steps instead of every ``eval_every_s`` seconds.
     """
 
-    def __init__(self, budget_s: float, eval_every_s: float, evaluate: Callable[[], float]) -> None:
+    def __init__(self, budget_s: float, eval_every_s: float, evaluate: Callable[[], float],
+                 max_steps: int | None = None, eval_every_steps: int = 0) -> None:
         self.budget_s = budget_s
-        self.eval_every_s = eval_every_s if eval_every_s > 0 else math.inf
+        self.max_steps = max_steps
+        self.eval_every_steps = eval_every_steps if max_steps is not None else 0
+        self.eval_every_s = eval_every_s if eval_every_s > 0 and not self.eval_every_steps else math.inf
         self.evaluate = evaluate
         self.train_s = 0.0
         self.eval_s = 0.0
@@ -167,6 +181,8 @@ class TrainingClock:
 
     @property
     def spent(self) -> bool:
+        if self.max_steps is not None:
+            return self.steps >= self.max_steps
         return self.train_s >= self.budget_s
 
     def checkpoint(self) -> None:
@@ -180,7 +196,11 @@ class TrainingClock:
     def step_done(self, seconds: float) -> None:
         self.train_s += seconds
         self.step_s.append(seconds)
-        if not self.spent and self.train_s >= self._next_eval:
+        if self.spent:
+            return
+        if self.eval_every_steps and self.steps % self.eval_every_steps == 0:
+            self.checkpoint()
+        elif self.train_s >= self._next_eval:
             self.checkpoint()
             self._next_eval = (math.floor(self.train_s / self.eval_every_s) + 1) * self.eval_every_s
 
@@ -219,7 +239,8 @@ class Setup:
     def clock(self, policy: Callable[[], object]) -> TrainingClock:
         subset = self.test[:self.spec.eval_subset]
         return TrainingClock(self.spec.budget_s, self.spec.eval_every_s,
-                             lambda: self.accuracy(policy(), subset))
+                             lambda: self.accuracy(policy(), subset), max_steps=self.spec.steps,
+                             eval_every_steps=self.spec.eval_every_steps)
 
 
 def _setup(spec: Spec) -> Setup:
@@ -286,7 +307,7 @@ def run_ours(spec: Spec, workdir: str) -> dict:
     config = GRPOConfig(
         prompts_per_step=prompts, group_size=group,
         max_completion_tokens=train_tokens, max_prompt_tokens=128, max_steps=10**9,
-        max_train_seconds=spec.budget_s,
+        max_train_seconds=spec.budget_s if spec.steps is None else None,
         temperature=temperature, learning_rate=lr, lr_schedule=schedule, seed=spec.seed, output_dir=workdir,
         progress_bar=False,
     )
@@ -454,7 +475,8 @@ def _run_worker(engine: str, spec: Spec, out: Path) -> tuple[dict | None, str | 
     """Runs one (engine, seed) worker; its log and result go to ``out/<engine>-seed<k>.log`` / ``.json``."""
     name = f"{engine}-seed{spec.seed}"
     args = [str(Path(__file__).resolve()), "--worker", engine, "--spec", json.dumps(dataclasses.asdict(spec))]
-    timeout = 2 * spec.budget_s + 1800  # the budget, overshoot, loading and evaluations
+    # the budget, overshoot, loading and evaluations; with equal steps, up to STEP_LIMIT_S a step
+    timeout = (2 * spec.budget_s if spec.steps is None else STEP_LIMIT_S * spec.steps) + 1800
     result, error = harness.run_worker(name, args, timeout, harness.worker_env(), out / f"{name}.log")
     if result is not None:
         harness.write_report(out / f"{name}.json", result)
@@ -495,7 +517,9 @@ def _checks(spec: Spec, runs: dict[str, list[dict]]) -> tuple[list[str], list[st
     for engine, rs in runs.items():
         for r in rs:
             if r["steps"] < 1:
-                problems.append(f"{engine} seed {r['seed']}: no training step within {spec.budget_s} s")
+                problems.append(f"{engine} seed {r['seed']}: no training step within {_budget(spec)}")
+            if spec.steps is not None and r["steps"] != spec.steps:
+                problems.append(f"{engine} seed {r['seed']}: {r['steps']} steps, not --steps {spec.steps}")
             if not HONEST_RANGE[0] <= r["before"] <= HONEST_RANGE[1]:
                 warnings.append(f"{engine} seed {r['seed']}: base model greedy accuracy {r['before']:.3f} "
                                 f"is outside {HONEST_RANGE}: the task is too hard or too easy for this model")
@@ -514,13 +538,20 @@ def _checks(spec: Spec, runs: dict[str, list[dict]]) -> tuple[list[str], list[st
     return list(dict.fromkeys(problems)), list(dict.fromkeys(warnings))
 
 
+def _budget(spec: Spec) -> str:
+    """What bounds each engine's training: the time budget, or (equal work) the step count."""
+    return f"{spec.budget_s:g} s" if spec.steps is None else f"{spec.steps} steps"
+
+
 def _task_name(spec: Spec) -> str:
     return (f"arithmetic_task(digits=2, ops='+-', num_train={spec.num_train}, num_test={spec.num_test}, "
             f"seed={spec.task_seed}), instruction {INSTRUCTION.strip()!r}")
 
 
-def plot(runs: dict[str, list[dict]], path: Path, *, title: str, budget_s: float, subset: int) -> None:
-    """Subset accuracy against training wall time, one line per (engine, seed)."""
+def plot(runs: dict[str, list[dict]], path: Path, *, title: str, budget_s: float, subset: int,
+         steps: int | None = None) -> None:
+    """Subset accuracy against training wall time (with ``steps``: against steps), one line per (engine,
+    seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -530,14 +561,17 @@ def plot(runs: dict[str, list[dict]], path: Path, *, title: str, budget_s: float
     fig, ax = plt.subplots(figsize=(7, 4))
     for engine, rs in runs.items():
         for i, r in enumerate(rs):
-            xs = [p["train_s"] for p in r["curve"]]
+            xs = [p["train_s"] if steps is None else p["step"] for p in r["curve"]]
             ys = [p["accuracy"] for p in r["curve"]]
             label = (f"{engine} seed {r['seed']}: {r['steps']} steps; full test {r['before']:.0%} -> "
                      f"{r['after']:.0%}")
             ax.plot(xs, ys, styles[i % len(styles)], color=colors[engine], marker="o", markersize=3,
                     label=label)
-    ax.axvline(budget_s, color="gray", linestyle=":", linewidth=1, label=f"budget {budget_s:g} s")
-    ax.set_xlabel("training wall time (s), evaluation excluded")
+    if steps is None:
+        ax.axvline(budget_s, color="gray", linestyle=":", linewidth=1, label=f"budget {budget_s:g} s")
+        ax.set_xlabel("training wall time (s), evaluation excluded")
+    else:
+        ax.set_xlabel("optimizer steps")
     ax.set_ylabel(f"greedy accuracy, first {subset} test prompts")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title, fontsize=9)
@@ -554,11 +588,14 @@ def _summary(spec: Spec, seeds: int, first_seed: int, runs: dict[str, list[dict]
     deltas = [100 * (a["after"] - b["after"]) for a, b in paired]
     problems, warnings = _checks(spec, {"ours": [a for a, _ in paired], "trl": [b for _, b in paired]})
     ours, trl = _engine_summary(runs["ours"]), _engine_summary(runs["trl"])
-    summary = {"task": _task_name(spec), "budget_s": spec.budget_s, "ours": ours, "trl": trl,
+    summary = {"task": _task_name(spec), "budget_s": spec.budget_s if spec.steps is None else None,
+               "ours": ours, "trl": trl,
                "delta_after_pts": harness.mean(deltas), "mode": spec.mode, "seeds": seeds,
                "first_seed": first_seed}
     if seeds > 1:
         summary.update(delta_after_pts_runs=deltas, delta_after_pts_std=harness.sd(deltas))
+    if spec.steps is not None:
+        summary["steps"] = spec.steps
     summary.update(problems=problems, warnings=warnings, errors=list(errors), out=str(out))
     return summary
 
@@ -576,7 +613,7 @@ def compare(spec: Spec, seeds: int, out: Path, first_seed: int = 0) -> dict:
                 "hardware": harness.hardware(spec.device), "versions": harness.versions(), "runs": runs}
 
     for seed, engine in harness.schedule(ENGINES, range(first_seed, first_seed + seeds), rotate=True):
-        harness.say("learning", f"seed {seed}: {engine} ({spec.mode}, {spec.budget_s:g} s)")
+        harness.say("learning", f"seed {seed}: {engine} ({spec.mode}, {_budget(spec)})")
         result, error = _run_worker(engine, dataclasses.replace(spec, seed=seed), out)
         if error:
             errors.append(error)
@@ -588,15 +625,16 @@ def compare(spec: Spec, seeds: int, out: Path, first_seed: int = 0) -> dict:
     shapes = ", ".join(f"{engine} {r[0]['settings']['prompts_per_step']}x{r[0]['settings']['group_size']}"
                        for engine, r in runs.items() if r)
     plot(runs, out / "learning.png",
-         title=f"{Path(spec.model).name}, {MODES[spec.mode]}\n{spec.budget_s:g} s "
-               f"training budget, prompts x completions: {shapes}",
-         budget_s=spec.budget_s, subset=spec.eval_subset)
+         title=f"{Path(spec.model).name}, {MODES[spec.mode]}\n{_budget(spec)} "
+               f"of training, prompts x completions: {shapes}",
+         budget_s=spec.budget_s, subset=spec.eval_subset, steps=spec.steps)
     return _summary(spec, seeds, first_seed, runs, errors, out)
 
 
 def _table(s: dict) -> str:
+    budget = f"{s['budget_s']:g} s" if s["budget_s"] is not None else f"{s['steps']} steps"
     lines = [f"task: {s['task']}",
-             f"mode {s['mode']} ({MODES[s['mode']]}), budget {s['budget_s']:g} s of training, "
+             f"mode {s['mode']} ({MODES[s['mode']]}), budget {budget} of training, "
              f"{s['seeds']} seed(s) from seed {s['first_seed']}",
              f"{'':6}{'before':>8}{'after':>8}{'steps':>8}{'step s':>9}"]
     for engine in ENGINES:
@@ -616,6 +654,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="training wall time per engine (default 480)")
+    parser.add_argument("--steps", type=int,
+                        help="equal work: each engine trains exactly this many optimizer steps, with no time "
+                        "budget (the curve then has a point every --eval-every-steps steps)")
+    parser.add_argument("--eval-every-steps", type=int, default=10,
+                        help="with --steps: a curve point every this many steps (default 10)")
     parser.add_argument("--mode", choices=tuple(MODES), default="identical",
                         help="identical: the same settings for both engines (default); defaults: "
                         "each engine's recommended settings for this hardware (see the module docstring)")
@@ -651,11 +694,16 @@ def main(argv: list[str] | None = None) -> int:
                      f"--budget-s {args.budget_s:g}, "
                      f"--eval-subset {args.eval_subset}, --num-test {args.num_test}: need --seeds >= 1, "
                      "--first-seed >= 0, --budget-s > 0 and 1 <= --eval-subset <= --num-test")
+    if args.steps is not None and (args.steps < 1 or args.eval_every_steps < 0):
+        parser.error(f"got --steps {args.steps}, --eval-every-steps {args.eval_every_steps}: "
+                     "need --steps >= 1 and --eval-every-steps >= 0 (0: no curve points between the "
+                     "first and the last)")
     if args.model is None:
         from grpo_engine.demo import smollm2_folder
 
         args.model = str(smollm2_folder())
-    spec = Spec(model=str(args.model), mode=args.mode, budget_s=args.budget_s, task_seed=args.task_seed,
+    spec = Spec(model=str(args.model), mode=args.mode, budget_s=args.budget_s, steps=args.steps,
+                eval_every_steps=args.eval_every_steps, task_seed=args.task_seed,
                 num_train=args.num_train, num_test=args.num_test, eval_subset=args.eval_subset,
                 eval_every_s=args.eval_every_s, prompts_per_step=args.prompts_per_step,
                 group_size=args.group_size,

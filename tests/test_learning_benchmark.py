@@ -186,3 +186,36 @@ def test_bad_first_seed_is_refused_with_the_rule(capsys):
         learning.main(["--first-seed", "-1", "--model", "unused"])
     err = capsys.readouterr().err
     assert "--first-seed -1" in err and "--first-seed >= 0" in err
+
+
+def test_clock_with_equal_steps_ignores_the_budget_and_evaluates_every_k_steps():
+    calls = []
+    clock = learning.TrainingClock(budget_s=1.0, eval_every_s=0.5, evaluate=lambda: calls.append(1) or 0.5,
+                                   max_steps=5, eval_every_steps=2)
+    for _ in range(5):  # 3 s of steps against a 1 s budget: the step count alone decides
+        assert not clock.spent
+        clock.step_done(0.6)
+    assert clock.spent and clock.steps == 5
+    # points after steps 2 and 4 (not by time); after step 5 the caller evaluates the final model itself
+    assert [p["step"] for p in clock.curve] == [2, 4] and len(calls) == 2
+
+
+def test_equal_steps_run_trains_ours_exactly_that_many_steps(tiny_folder, tmp_path):
+    spec = learning.Spec(model=str(tiny_folder), budget_s=1e-3, steps=3, eval_every_steps=2, num_train=20,
+                         num_test=4, eval_subset=2, prompts_per_step=2, group_size=2, max_completion_tokens=4)
+    result = learning.run_ours(spec, str(tmp_path))
+    assert result["steps"] == 3 and len(result["reward_mean_per_step"]) == 3
+    assert [p["step"] for p in result["curve"]] == [0, 2, 3]  # the start, every 2 steps, the end
+    problems, _ = learning._checks(spec, {"ours": [{**result, "steps": 2, "seed": 0}], "trl": []})
+    assert problems == ["ours seed 0: 2 steps, not --steps 3"]
+    summary = {"task": "t", "mode": "identical", "budget_s": None, "steps": 3, "seeds": 1, "first_seed": 0,
+               "ours": None, "trl": None, "delta_after_pts": None, "problems": [], "warnings": [],
+               "errors": [], "out": "o"}
+    assert "budget 3 steps of training" in learning._table(summary)
+
+
+def test_bad_steps_are_refused_with_the_rule(capsys):
+    with pytest.raises(SystemExit):
+        learning.main(["--steps", "0", "--model", "unused"])
+    err = capsys.readouterr().err
+    assert "--steps 0" in err and "--steps >= 1" in err
