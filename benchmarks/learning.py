@@ -167,7 +167,7 @@ class TrainingClock:
         self.budget_s = budget_s
         self.max_steps = max_steps
         self.eval_every_steps = eval_every_steps if max_steps is not None else 0
-        self.eval_every_s = eval_every_s if eval_every_s > 0 and not self.eval_every_steps else math.inf
+        self.eval_every_s = eval_every_s if eval_every_s > 0 and max_steps is None else math.inf
         self.evaluate = evaluate
         self.train_s = 0.0
         self.eval_s = 0.0

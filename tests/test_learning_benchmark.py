@@ -198,6 +198,12 @@ def test_clock_with_equal_steps_ignores_the_budget_and_evaluates_every_k_steps()
     assert clock.spent and clock.steps == 5
     # points after steps 2 and 4 (not by time); after step 5 the caller evaluates the final model itself
     assert [p["step"] for p in clock.curve] == [2, 4] and len(calls) == 2
+    # --eval-every-steps 0: no point between the first and the last, and none by time either
+    clock = learning.TrainingClock(budget_s=1.0, eval_every_s=0.5, evaluate=lambda: pytest.fail("evaluated"),
+                                   max_steps=3, eval_every_steps=0)
+    for _ in range(3):
+        clock.step_done(0.6)
+    assert clock.spent and clock.curve == []
 
 
 def test_equal_steps_run_trains_ours_exactly_that_many_steps(tiny_folder, tmp_path):
