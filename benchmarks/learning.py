@@ -14,7 +14,7 @@ curve's prompts (``completions_after``).
     python benchmarks/learning.py                       # identical settings, 480 s each, SmolLM2-135M
     python benchmarks/learning.py --mode defaults --seeds 2 --budget-s 300   # recommended settings
     python benchmarks/learning.py --mode defaults --first-seed 2 --seeds 1   # seed 2 alone, later
-    python benchmarks/learning.py --steps 80 --num-test 256   # equal work: 80 steps each, no time budget
+    python benchmarks/learning.py --steps 88 --num-test 256   # equal work: 88 steps each, no time budget
 
 The task (exactly the demo's, ``grpo_engine.demo``): ``arithmetic_task(num_train, num_test,
 seed=task_seed)`` (two-digit ``a + b`` / ``a - b``, train and test drawn without replacement from
@@ -35,8 +35,8 @@ time and at the end. Evaluation runs with the training clock stopped.
 
 ``--steps N`` compares equal work instead of equal time: each engine trains exactly N optimizer
 steps, whatever they take, and the curve has a point every ``--eval-every-steps`` steps; it shows
-whether the two learn alike per step over a whole run (the time-budgeted comparison then differs
-only by each engine's step time).
+whether the two learn alike per step over a whole run (if they do, the time-budgeted comparison
+differs only by each engine's step time).
 
 Training wall time: ours, the sum of ``trainer.step()`` durations; TRL, the time between
 ``on_train_begin`` / consecutive ``on_step_end`` callbacks minus the evaluations inside them.

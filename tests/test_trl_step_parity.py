@@ -6,8 +6,9 @@ completions that end at EOS and one cut at the limit, group z-score advantages, 
 (TRL's ``loss_type="dapo"``), two micro-batches accumulated (TRL's ``gradient_accumulation_steps=2``).
 Ours runs :class:`~grpo_engine.gradients.PolicyGradient` (the trainer's stage 5, with the prompt shared
 across its group or not); TRL runs ``compute_loss`` on the batch its generation step would have built.
-The LoRA gradients must agree to float32 rounding: with the same sampling distribution this is why, at
-identical settings, the two engines learn alike per step (``benchmarks/learning.py --steps``).
+The LoRA gradients must agree to float32 rounding: at identical settings the two engines make the same
+update from the same batch. Whether they learn alike over a whole run, where each samples its own
+batches, is what ``benchmarks/learning.py --steps`` measures.
 """
 
 from __future__ import annotations
