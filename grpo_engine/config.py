@@ -451,8 +451,8 @@ CALIBRATION_MARGIN = 0.95  # of the budget left after the warm-up: later steps m
 
 def advance_clock(config: GRPOConfig, state: Any, seconds: dict[str, float], *, updated: bool) -> None:
     """Counts a finished step's ``time/step_s`` into ``state.train_seconds`` (the budget's clock) and, when
-    it updated the policy (some row had a gradient to compute), its ``time/train_s`` into
-    ``state.update_seconds`` and the step into ``state.update_steps``; then fixes ``state.planned_steps``
+    some row had a gradient to compute (``updated``), its ``time/train_s`` into ``state.update_seconds``
+    and the step into ``state.update_steps``; then fixes ``state.planned_steps``
     (:func:`planned_steps`), marking the clock where the first plan was made in ``state.plan_mark``.
     ``state``: a ``TrainerState``."""
     state.train_seconds += seconds["time/step_s"]

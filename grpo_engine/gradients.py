@@ -5,10 +5,12 @@ count are every row, or only those with a non-zero advantage when the loss allow
 (``Requirements.zero_advantage_rows=False``); the strategy may run more (FSDP2 runs them all). They
 are cut into micro-batches of ``micro_batch_size`` completions; each is one forward of the policy
 (log-probs, and the token entropy from the same chunked pass), the loss divided by the step's counts,
-and one backward. Summing the micro-batch losses gives exactly the gradient of one big batch. A pass
-returns what it found: the loss metrics summed over micro-batches and ranks, and the rows whose
-log-probs were not finite (for the guard's message). The logged ``entropy/token_mean`` is the mean
-over the tokens of the rows that count, whatever the strategy runs.
+and one backward. Summing the micro-batch losses gives exactly the gradient of one big batch. A
+parameter that no row reached gets a zero ``.grad``: a step that ran no row (every advantage 0) still
+takes its optimizer step, as it would had every row run. A pass returns what it found: the loss
+metrics summed over micro-batches and ranks, and the rows whose log-probs were not finite (for the
+guard's message). The logged ``entropy/token_mean`` is the mean over the tokens of the rows that
+count, whatever the strategy runs.
 """
 
 from __future__ import annotations
@@ -147,7 +149,11 @@ class PolicyGradient:
                 world.cat(torch.zeros(0))
         finally:
             self.model.eval()
-        self.parallel.reduce_gradients(trainable_parameters(self.model))
+        params = trainable_parameters(self.model)
+        for p in params:  # no row ran (every advantage 0): the gradient is zero, not absent, so the
+            if p.grad is None:  # optimizer steps as if every row had run (AdamW's momentum still moves)
+                p.grad = torch.zeros_like(p)
+        self.parallel.reduce_gradients(params)
         return GradientPass(self.parallel.summed_metrics(sums), tuple(finite))
 
     def counted_rows(self, advantages: Tensor, *, trains: bool = True) -> Tensor:

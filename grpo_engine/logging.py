@@ -149,7 +149,7 @@ def step_metrics(whole: Rollout, state: Any, *, loss: dict[str, float], seconds:
     """What a step logs: its rollout's numbers (:func:`rollout_metrics` of the groups trained, every
     rank's), the sampler's and a group filter's counts, the loss metrics, the stage times, the
     temperature and learning rate it ran at, and the skipped steps so far. The first step whose groups
-    all tie warns that it cannot change the policy (``state.zero_std_warned``)."""
+    all tie warns that it has no learning signal (``state.zero_std_warned``)."""
     metrics = {**rollout_metrics(whole.batch, whole.rewards), **whole.batch.metrics, **loss, **seconds,
                "temperature": temperature, "lr": lr, "skipped_steps": float(state.skipped_steps)}
     if whole.uncertainty is not None:
@@ -158,6 +158,7 @@ def step_metrics(whole: Rollout, state: Any, *, loss: dict[str, float], seconds:
     if metrics["zero_std_fraction"] == 1.0 and not state.zero_std_warned:
         state.zero_std_warned = True
         warnings.warn(f"step {state.step}: every group has identical rewards, so every advantage is 0 and "
-                      "this step does not change the policy. If this persists, make the task easier or the "
-                      "reward denser, or raise group_size / temperature.", stacklevel=3)
+                      "this step has no learning signal (its gradient is 0; only the optimizer's momentum "
+                      "moves the weights). If this persists, make the task easier or the reward denser, or "
+                      "raise group_size / temperature.", stacklevel=3)
     return metrics

@@ -120,24 +120,58 @@ def test_kl_reference_is_the_adapter_free_model_under_lora(tmp_path):
     assert second["kl"] > 1e-6
 
 
-def test_a_step_where_every_group_ties_trains_nothing_and_logs_every_key(tmp_path):
-    trainer = make_trainer(tmp_path)
-    trainer.step()
-    before = [p.detach().clone() for p in trainer.model.parameters()]
+def _tie(trainer):
+    """From now on every completion of ``trainer`` scores 1.0: every group ties, every advantage is 0."""
+    from grpo_engine.rewards import WeightedSum
 
     class Tie(DigitShare):
         def score(self, prompt, completion):
             return 1.0
 
-    from grpo_engine.rewards import WeightedSum
-
     trainer.rewards = WeightedSum([Tie(name="digit_share")])
+
+
+def test_a_step_where_every_group_ties_is_an_adamw_step_with_a_zero_gradient(tmp_path):
+    """No row runs, yet the optimizer steps as if every row had: its moments decay and its momentum
+    moves the weights, as in a plain loop (and TRL), and as on a data-parallel rank that trained no row."""
+    trainer = make_trainer(tmp_path)
+    assert trainer.step()["grad_norm"] > 0
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    group = trainer.optimizer.param_groups[0]
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    want = []
+    for p in params:  # AdamW by hand in float64, g = 0
+        state = trainer.optimizer.state[p]
+        t = float(state["step"]) + 1
+        m, v = b1 * state["exp_avg"].double(), b2 * state["exp_avg_sq"].double()
+        w = p.detach().double() * (1 - lr * wd)
+        want.append(w - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps))
+    before = [p.detach().clone() for p in params]
+    _tie(trainer)
     with pytest.warns(UserWarning, match="every group has identical rewards"):
         metrics = trainer.step()
     assert metrics["zero_std_fraction"] == 1.0 and metrics["grad_norm"] == 0.0
     assert metrics["clip_fraction"] == 0.0 and metrics["policy_loss"] == 0.0
-    for a, b in zip(before, trainer.model.parameters()):
-        assert torch.equal(a, b)  # no gradient: AdamW with no grads leaves weights alone
+    assert any(not torch.equal(a, b) for a, b in zip(before, params))  # the momentum moved them
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.detach().double(), w, rtol=0, atol=1e-6)
+
+
+def test_a_tie_step_with_skipped_rows_equals_one_that_runs_every_row(tmp_path):
+    def two_steps(loss):  # a step that trains, then one where every group ties
+        trainer = make_trainer(tmp_path, loss=loss)
+        trainer.step()
+        after_first = [p.detach().clone() for p in trainer.model.parameters()]
+        _tie(trainer)
+        with pytest.warns(UserWarning, match="every group has identical rewards"):
+            trainer.step()
+        return after_first, list(trainer.model.parameters())
+
+    first, skip = two_steps(None)
+    _, full = two_steps(NoSkip(ClippedSurrogate()))
+    for a, b in zip(skip, full):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(first, skip))
 
 
 def test_schedule_counts_steps_and_logs_the_rate_it_used(tmp_path):
