@@ -12,6 +12,7 @@ with ``PoolRecorder``, each micro-batch's entropy pool.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -170,6 +171,7 @@ def run(name: str, out: Path, resume: str | None = None) -> dict:
     record: dict = {"grads": [], "weights": [], "metrics": [], "pools": []}
     step = trainer.optimizer.step
 
+    @functools.wraps(step)  # keeps torch's scheduler marker: no "optimizer.step() has been overridden"
     def recording_step(*args, **kwargs):
         record["grads"].append([full_value(p.grad).detach().clone()
                                 for p in trainable_parameters(trainer.model)])
