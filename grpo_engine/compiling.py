@@ -39,6 +39,14 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from grpo_engine.ops.attention import (
+    attention_implementation,
+    attention_mask,
+    position_ids_from_mask,
+    prompt_attention,
+    supports_static,
+)
+
 __all__ = ["compiled_layers", "compiled_hidden", "shared_prompt_attention", "SHARED_ATTENTION"]
 
 SHARED_ATTENTION = "grpo_engine_shared_prompt"  # the name shared_prompt_attention is registered under
@@ -77,14 +85,6 @@ def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, f
     ``_distinct_rows``: fewer distinct prompts than rows) and a model
     :func:`grpo_engine.sampling.static.supports_static` accepts, the prompt once per distinct prompt
     (module docstring); else the whole [prompt, fed tokens] of each row."""
-    from grpo_engine.logprobs import position_ids_from_mask
-    from grpo_engine.sampling.static import (
-        attention_implementation,
-        attention_mask,
-        prompt_attention,
-        supports_static,
-    )
-
     decoder = model.get_decoder()
     n, width = prompt_ids.shape
     if distinct is None or supports_static(model) is not None:

@@ -21,15 +21,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from grpo_engine.compiling import compiled_hidden
+from grpo_engine.ops.attention import kv_cache, position_ids_from_mask
 from grpo_engine.vocab_tiled import tiled_linear_logprobs
 
 __all__ = ["completion_logprobs", "selective_logprobs", "position_ids_from_mask", "can_share_prompt",
            "kv_cache"]
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """[n, T] positions counting only attended tokens (left padding gets position 0)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _softcap(model: nn.Module) -> float | None:
@@ -169,8 +166,6 @@ def completion_logprobs(
     # the last completion token predicts nothing that is scored: the decoder is fed the others
     fed_ids, fed_mask = completion_ids[:, :-1], completion_mask[:, :-1]
     if compiled:
-        from grpo_engine.compiling import compiled_hidden
-
         predicting = compiled_hidden(model, prompt_ids, prompt_mask, fed_ids, fed_mask, distinct=distinct)
     elif distinct is not None:
         predicting = _shared_prompt_hidden(decoder, prompt_ids, prompt_mask, fed_ids, fed_mask, *distinct)
@@ -217,13 +212,6 @@ def _distinct_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Ten
                        device=inverse.device)
     first = first.scatter_reduce(0, inverse, torch.arange(len(inverse), device=inverse.device), reduce="amin")
     return first, inverse
-
-
-def kv_cache(out) -> tuple[str, object]:
-    """(keyword, cache) of a transformers output: ``cache`` since transformers 5.2x, else
-    ``past_key_values``; pass it back under the same keyword."""
-    name = "cache" if getattr(out, "cache", None) is not None else "past_key_values"
-    return name, getattr(out, name, None)
 
 
 def _keeps_cache(model: nn.Module, prompt_ids: Tensor) -> bool:

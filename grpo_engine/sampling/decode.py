@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grpo_engine.logprobs import kv_cache, position_ids_from_mask
+from grpo_engine.ops.attention import is_decoder_lm, kv_cache, position_ids_from_mask
 
 __all__ = ["TokenDraw", "PhaseClock", "categorical", "sample_categorical", "inverse_cdf", "decode",
            "is_decoder_lm", "completion_mask_from_ids", "draw_uniforms", "seeded_rng", "BAD_DISTRIBUTION"]
@@ -204,12 +204,6 @@ class TokenDraw:
         if logprobs is None:
             return token, None, ok
         return token, logprobs.gather(-1, token[:, None]).squeeze(-1), ok
-
-
-def is_decoder_lm(model: nn.Module) -> bool:
-    """Whether :func:`decode` can run the model: a transformers causal LM (else only its
-    ``generate()`` is used)."""
-    return getattr(model, "config", None) is not None and hasattr(model, "get_decoder")
 
 
 def _supports(cache, method: str) -> bool:

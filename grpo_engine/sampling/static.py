@@ -23,21 +23,26 @@ import functools
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from grpo_engine.logprobs import position_ids_from_mask
-from grpo_engine.sampling.decode import BAD_DISTRIBUTION, PhaseClock, TokenDraw, draw_uniforms, is_decoder_lm
+from grpo_engine.ops.attention import (
+    attention_implementation,
+    attention_mask,
+    position_ids_from_mask,
+    prompt_attention,
+    supports_static,
+)
+from grpo_engine.sampling.decode import BAD_DISTRIBUTION, PhaseClock, TokenDraw, draw_uniforms
 
 __all__ = ["StaticKVCache", "StaticDecoder", "decode_static", "supports_static", "static_cache_bytes",
            "grouped_attention", "attention_implementation", "attention_mask", "prompt_attention"]
 
 Mode = Literal["eager", "compiled", "cuda_graph"]
 ATTENTION = "grpo_engine_grouped"  # the name grouped_attention is registered under in transformers
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # plain rotary attention, no logit soft-capping or sinks
 
 
 def grouped_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor, *,
@@ -58,58 +63,9 @@ def grouped_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return out.view(n, h, q, d).transpose(1, 2), None
 
 
-@contextlib.contextmanager
-def attention_implementation(config, name: str, function) -> Iterator[str | None]:
-    """Runs the block with the model's attention layers calling ``function``, registered with transformers
-    as ``name``; yields the implementation it replaces, put back at the end."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(name, function)
-    before = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield before
-    finally:
-        config._attn_implementation = before
-
-
 def _grouped_attention(model: nn.Module):
     """Runs the block with the model's attention layers calling :func:`grouped_attention`."""
     return attention_implementation(model.config, ATTENTION, grouped_attention)
-
-
-def prompt_attention(mask: Tensor) -> Tensor:
-    """[b, 1, P, P] which keys each query of left-padded prompts ``mask`` [b, P] attends to: the earlier
-    real tokens, and itself (a padding query then stays finite)."""
-    width, device = mask.shape[1], mask.device
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    return (causal & mask[:, None, None, :].bool()) | torch.eye(width, dtype=torch.bool, device=device)
-
-
-def attention_mask(allowed: Tensor, eager: bool, dtype: torch.dtype) -> Tensor:
-    """The boolean 4D mask ``allowed`` (True: attend) in the form the model's attention takes: boolean for
-    sdpa, additive (0 / the dtype's min) for eager attention."""
-    if not eager:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
-                                                                                       torch.finfo(dtype).min)
-
-
-def supports_static(model: nn.Module) -> str | None:
-    """None when the static path can run ``model``, else why not (one phrase)."""
-    if not is_decoder_lm(model):
-        return "not a transformers causal LM"
-    config = model.config
-    if getattr(config, "model_type", None) not in FAMILIES:
-        return (f"model type {getattr(config, 'model_type', None)!r} "
-                f"(the static path knows {', '.join(FAMILIES)})")
-    implementation = getattr(config, "_attn_implementation", None) or "eager"
-    if implementation not in ("sdpa", "eager"):
-        return f"attention implementation {implementation!r} (needs 'sdpa' or 'eager': a 4D mask)"
-    layer_types = getattr(config, "layer_types", None) or ()
-    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
-        return "sliding-window or non-attention layers"
-    return None
 
 
 def static_cache_bytes(model_config, rows: int, width: int, dtype: torch.dtype) -> int:
