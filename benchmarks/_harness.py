@@ -265,6 +265,17 @@ def checkpointing(model) -> bool:
     return False
 
 
+def advantage_text(std_scope: str, eps: float) -> str:
+    """An advantage's normalisation in words, the same for both engines' settings records.
+
+    Example:
+        >>> advantage_text("group", 1e-4)
+        'z-score, group std + 0.0001'
+    """
+    return {"group": f"z-score, group std + {eps:g}", "batch": f"z-score, batch std + {eps:g}",
+            "none": "group mean only"}[std_scope]
+
+
 def weights_dtype(model) -> str:
     """The dtype of the frozen weights (of every weight when all train), e.g. ``"float32"``."""
     frozen = [p for p in model.parameters() if not p.requires_grad]

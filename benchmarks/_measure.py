@@ -2,27 +2,57 @@
 
 - :class:`StageClock` sums the time spent inside wrapped calls, by stage: CUDA events on a GPU (a
   recorded event does not wait for the GPU), the wall clock on the CPU. :meth:`StageClock.seconds`
-  synchronises once, after the step.
+  synchronises once, after the step. :class:`Wrapped` puts a timed call in place of an object's
+  method (or of its own call) without touching the object.
 - :class:`PhaseMemory`: the peak memory of each phase of a step (sampling, training, optimizer): on a
   GPU the caching allocator's peak allocated and reserved bytes (host-side statistics: reading and
   resetting them adds no synchronisation), on the CPU the resident-set high-water mark.
 - :func:`decode_roofline` and :func:`training_mfu`: what a decode step must read from memory, and
-  the FLOPs a training pass must compute, against the H200's ceilings (see below).
+  the FLOPs a training pass must compute, against a device's ceilings: :func:`ceilings` gives the
+  measured ones (``benchmarks/gpu/preflight.py`` times an 8192^3 bfloat16 matrix product and a
+  device-to-device copy on the machine itself) beside the card's data-sheet peaks (:data:`SPEC`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["StageClock", "PhaseMemory", "decode_roofline", "training_mfu", "HBM_BYTES_PER_S", "BF16_FLOPS"]
+__all__ = ["StageClock", "Wrapped", "PhaseMemory", "decode_roofline", "training_mfu", "ceilings", "SPEC",
+           "HBM_BYTES_PER_S", "BF16_FLOPS", "status_kib"]
 
-# the H200's ceilings as reported for the lent machines, not measured by this project's scripts:
+# the H200's ceilings as reported for the lent machines (KINDS.md of the device tool), used when no
+# preflight measured this machine's own:
 HBM_BYTES_PER_S = 4.3e12  # a device-to-device copy, bytes read + written per second
 BF16_FLOPS = 790e12  # an 8192^3 bfloat16 matrix product
+# data-sheet peaks: dense bfloat16 tensor-core FLOP/s and HBM bytes/s (SXM parts; the first match wins)
+SPEC = {"H100 PCIe": (756e12, 2.0e12), "H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12),
+        "A100": (312e12, 2.0e12)}
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits per weight, block scales, double quantisation
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def ceilings(device_name: str | None, preflight: Path | None = None) -> dict:
+    """The ceilings a run's figures are judged against: the measured matrix-product rate and copy
+    bandwidth from ``preflight`` (its JSON), else the H200 constants above, and the data-sheet peaks of
+    the card ``device_name`` names (None for an unknown card, and on the CPU).
+
+    Example:
+        >>> c = ceilings("NVIDIA H200 (1 GPU)")
+        >>> c["spec_bf16_flops"], c["matmul_flops"], c["source"]
+        (989000000000000.0, 790000000000000.0, 'constants')
+    """
+    measured = {}
+    if preflight is not None and preflight.exists():
+        found = json.loads(preflight.read_text())
+        if found.get("matmul_tflops") and found.get("copy_gb_per_s"):
+            measured = {"matmul_flops": found["matmul_tflops"] * 1e12,
+                        "copy_bytes_per_s": found["copy_gb_per_s"] * 1e9, "source": "preflight"}
+    out = measured or {"matmul_flops": BF16_FLOPS, "copy_bytes_per_s": HBM_BYTES_PER_S, "source": "constants"}
+    spec = next((v for k, v in SPEC.items() if device_name and k in device_name), (None, None))
+    return {**out, "spec_bf16_flops": spec[0], "spec_hbm_bytes_per_s": spec[1]}
 
 
 class StageClock:
@@ -81,7 +111,30 @@ class StageClock:
         return out
 
 
-def _status_kib(key: str) -> int | None:
+class Wrapped:
+    """``inner`` with its call and some methods replaced (e.g. by :meth:`StageClock.wrap`'s timed ones);
+    every other attribute is ``inner``'s. For objects whose methods cannot be replaced in place (a frozen
+    dataclass) or whose call is the thing to time (``__call__`` is looked up on the type).
+
+    Example:
+        >>> w = Wrapped([3, 1], call=lambda: "called", count=lambda x: 99)
+        >>> w(), w.count(3), w.index(1)
+        ('called', 99, 1)
+    """
+
+    def __init__(self, inner, *, call: Callable | None = None, **methods: Callable) -> None:
+        self.inner, self.call = inner, call
+        self.__dict__.update(methods)
+
+    def __call__(self, *args, **kwargs):
+        return (self.call or self.inner)(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def status_kib(key: str) -> int | None:
+    """A field of ``/proc/self/status`` in KiB (``VmHWM``, ``VmRSS``); None where it cannot be read."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(key + ":"):
@@ -116,7 +169,7 @@ class PhaseMemory:
             torch.cuda.reset_peak_memory_stats()
             return out
         # RSS high-water mark
-        out = {"allocated_mib": (_status_kib("VmHWM") or 0) / 1024, "reserved_mib": None}
+        out = {"allocated_mib": (status_kib("VmHWM") or 0) / 1024, "reserved_mib": None}
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:

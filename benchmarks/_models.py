@@ -1,7 +1,8 @@
 """Random-init models, a word-level tokenizer and a cheap reward, shared by the benchmark harness.
 
 Nothing here downloads anything: the models are random-init Llama / Qwen2 shapes built from a
-config, the tokenizer is built in memory.
+config, the tokenizer is built in memory. torch is imported only by the functions that build models,
+so that a benchmark's parent process (which only starts workers) does not pay for it.
 
 - ``word_tokenizer(vocab_size)``: one word per model id (``<pad>``, ``<unk>``, ``t2`` ...
   ``t{V-1}``), so any id a random-init model samples decodes to text, plus ``<eos>`` at id V,
@@ -18,8 +19,6 @@ from __future__ import annotations
 import random
 import zlib
 from dataclasses import dataclass
-
-import torch
 
 __all__ = ["ModelShape", "SHAPES", "word_tokenizer", "build_model", "make_prompts", "hash_score",
            "count_params"]
@@ -67,9 +66,6 @@ SHAPES: dict[str, ModelShape] = {
                              vocab=152_064, tie_embeddings=False, max_positions=32_768),
 }
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def word_tokenizer(vocab_size: int):
     """A word-level tokenizer over ``vocab_size`` model ids plus an unreachable ``<eos>`` (id V).
 
@@ -96,6 +92,7 @@ def build_model(shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32
     which the model cannot produce: every completion is full-length. (The model config itself has
     no EOS id, since transformers warns about an id outside the vocabulary there.)
     """
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     shape = SHAPES[shape] if isinstance(shape, str) else shape
@@ -113,7 +110,7 @@ def build_model(shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32
         raise ValueError(f"family={shape.family!r} is not 'llama' or 'qwen2'")
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(_DTYPES[dtype])  # initialise directly in the target dtype (no fp32 copy)
+    torch.set_default_dtype(getattr(torch, dtype))  # initialise directly in the target dtype (no fp32 copy)
     try:
         with torch.device(device):
             model = cls(config)

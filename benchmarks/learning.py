@@ -108,6 +108,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import _harness as harness
+import _trl as trl
 
 INSTRUCTION = " Reply with only the final number."  # the demo's (grpo_engine.demo.DemoSettings)
 HONEST_RANGE = (0.10, 0.50)  # greedy accuracy of the base model that keeps the task honest
@@ -121,7 +122,6 @@ TRL_DEFAULTS_LR = 1e-4  # TRL's LoRA rate on this task in our runs (its default,
 # choices for a GPU (and a 135M model with LoRA is not short of memory)
 TRL_ON_CPU = {"bf16": False, "fp16": False, "gradient_checkpointing": False}
 STEP_LIMIT_S = 120.0  # with --steps, a worker taking longer than this per step is killed
-TRL_AGGREGATION = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,9 +266,7 @@ def _micro(requested: int, completions: int) -> int:
     return math.gcd(requested, completions)
 
 
-def _advantage(std_scope: str, eps: float) -> str:
-    return {"group": f"z-score, group std + {eps:g}", "batch": f"z-score, batch std + {eps:g}",
-            "none": "group mean only"}[std_scope]
+_advantage = harness.advantage_text  # the normalisation in words, as both engines' settings give it
 
 
 # -- the two workers ------------------------------------------------------------------------------
@@ -329,26 +327,7 @@ def run_ours(spec: Spec, workdir: str) -> dict:
     after = s.accuracy(trainer.model, s.test)
     answers = s.last_completions[:spec.eval_subset]  # the trained policy's greedy completions
     ids, mask = trainer.sampler.encode_prompts(s.train[:1])
-    settings = {
-        "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
-        "completions_per_optimizer_step": config.completions_per_step, "generations_per_optimizer_step": 1,
-        "micro_batch_size": min(memory.micro_batch_size, config.completions_per_step),
-        "max_completion_tokens": config.max_completion_tokens,
-        "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-        "gradient_checkpointing": harness.checkpointing(trainer.model),
-        "precision": harness.weights_dtype(trainer.model),
-        "kl_coef": loss.kl_coef, "clip_eps": [loss.clip_eps_low, loss.clip_eps_high],
-        "aggregation": loss.aggregation,
-        "advantage": _advantage(getattr(advantage, "std_scope", "none"), getattr(advantage, "eps", 0.0)),
-        "updates_per_batch": config.updates_per_batch,
-        "learning_rate": config.learning_rate, "lr_schedule": config.lr_schedule,
-        "warmup_steps": config.warmup_steps,
-        "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps,
-        "weight_decay": config.weight_decay,
-        "max_grad_norm": config.max_grad_norm, "temperature": config.temperature, "top_p": config.top_p,
-        "top_k": config.top_k, "eos_ids": sorted(trainer.sampler.eos_ids),
-        "optimizer": f"{type(trainer.optimizer).__name__}(fused={trainer.optimizer.defaults.get('fused')})",
-    }
+    settings = trl.ours_settings(trainer)
     return {"before": before, "after": after, **clock.summary(), "reward_mean_per_step": rewards,
             "completion_length_per_step": lengths, "truncated_fraction_per_step": truncated,
             "completions_after": answers, "settings": settings, "prompt_ids": ids[0][mask[0]].tolist()}
@@ -357,10 +336,6 @@ def run_ours(spec: Spec, workdir: str) -> dict:
 def run_trl(spec: Spec, workdir: str) -> dict:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import TrainerCallback
-    from trl import GRPOConfig as TRLConfig
-    from trl import GRPOTrainer as TRLTrainer
 
     from grpo_engine.demo import DemoSettings
     from grpo_engine.types import Prompt
@@ -370,32 +345,21 @@ def run_trl(spec: Spec, workdir: str) -> dict:
     n = spec.completions
     if spec.mode == "identical":
         micro = _micro(spec.micro_batch_size or DemoSettings().micro_batch_size, n)
-        lr, r, alpha = IDENTICAL["learning_rate"], IDENTICAL["lora_r"], IDENTICAL["lora_alpha"]
-        beta1, beta2 = IDENTICAL["adam_betas"]
-        own = dict(temperature=IDENTICAL["temperature"], loss_type="dapo", lr_scheduler_type="constant",
-                   warmup_steps=0, adam_beta1=beta1, adam_beta2=beta2, adam_epsilon=1e-8, weight_decay=0.0,
-                   optim="adamw_torch_fused", max_grad_norm=1.0, bf16=False, fp16=False,
-                   gradient_checkpointing=False,
-                   beta=0.0, epsilon=0.2, num_iterations=1, scale_rewards="group", top_p=1.0, top_k=0,
-                   mask_truncated_completions=False)
+        lora = (IDENTICAL["lora_r"], IDENTICAL["lora_alpha"])
+        own = dict(trl.matched(aggregation=IDENTICAL["aggregation"], learning_rate=IDENTICAL["learning_rate"],
+                               temperature=IDENTICAL["temperature"], adam_betas=IDENTICAL["adam_betas"]),
+                   bf16=False, fp16=False, gradient_checkpointing=False)
         train_tokens = spec.max_completion_tokens
     else:  # TRL's defaults, but for what a user picks on this hardware and the task's completion limit
+        from trl import GRPOConfig as TRLConfig
+
         default = next(f.default for f in dataclasses.fields(TRLConfig)
                        if f.name == "per_device_train_batch_size")
         micro = _micro(spec.micro_batch_size or default, n)
-        lr, r, alpha = TRL_DEFAULTS_LR, IDENTICAL["lora_r"], IDENTICAL["lora_alpha"]
+        lora = (IDENTICAL["lora_r"], IDENTICAL["lora_alpha"])
         own = dict(TRL_ON_CPU) if spec.device == "cpu" else {}  # on a GPU, TRL's own bf16 and checkpointing
+        own["learning_rate"] = TRL_DEFAULTS_LR
         train_tokens = DemoSettings().max_completion_tokens  # ours trains at the same limit in this mode
-    args = TRLConfig(
-        output_dir=workdir, num_generations=spec.group_size, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=n // micro, max_completion_length=train_tokens,
-        learning_rate=lr, max_steps=10**6, seed=spec.seed, report_to="none", save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True, use_cpu=spec.device == "cpu", log_completions=False, dataloader_num_workers=0,
-        **own,
-    )
-    peft_config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
-                             task_type="CAUSAL_LM", bias="none")
     data = Dataset.from_list([{"prompt": s.template.messages(p), "target": p.target} for p in s.train])
 
     def accuracy(completions, target, **kwargs) -> list[float]:
@@ -403,50 +367,22 @@ def run_trl(spec: Spec, workdir: str) -> dict:
         return s.reward([Prompt("", target=t) for t in target], texts).tolist()
 
     torch.manual_seed(spec.seed)
-    trainer = TRLTrainer(s.model, reward_funcs=accuracy, args=args, train_dataset=data,
-                         processing_class=s.tokenizer, peft_config=peft_config)
+    trainer = trl.build(s.model, s.tokenizer, data, accuracy, workdir=workdir, group_size=spec.group_size,
+                        completions=n, micro_batch_size=micro, max_completion_tokens=train_tokens,
+                        max_steps=10**6, seed=spec.seed, device=spec.device, lora=lora, logging_steps=1,
+                        **own)
     clock = s.clock(lambda: trainer.model)
-    last = [0.0]
 
-    class Budget(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            last[0] = time.perf_counter()
+    def step_done(seconds: float) -> bool:  # an evaluation it triggers is not training time
+        clock.step_done(seconds)
+        return clock.spent
 
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_done(time.perf_counter() - last[0])
-            if clock.spent:
-                control.should_training_stop = True
-            last[0] = time.perf_counter()  # after any evaluation: it is not training time
-
-    trainer.add_callback(Budget())
+    trainer.add_callback(trl.step_timer(step_done))
     clock.checkpoint()
     trainer.train()
     clock.checkpoint()
     after = s.accuracy(trainer.model, s.test)
     answers = s.last_completions[:spec.eval_subset]  # the trained policy's greedy completions
-    a = trainer.args
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    settings = {
-        "prompts_per_step": a.generation_batch_size // a.num_generations, "group_size": a.num_generations,
-        "completions_per_optimizer_step": a.per_device_train_batch_size * a.gradient_accumulation_steps,
-        "generations_per_optimizer_step": a.gradient_accumulation_steps // a.steps_per_generation,
-        "micro_batch_size": a.per_device_train_batch_size, "max_completion_tokens": a.max_completion_length,
-        "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-        "gradient_checkpointing": harness.checkpointing(trainer.model),
-        "precision": harness.weights_dtype(trainer.model) + (" + bf16 autocast" if a.bf16 else "")
-                     + (" + fp16 autocast" if a.fp16 else ""),
-        "kl_coef": a.beta,
-        "clip_eps": [a.epsilon, a.epsilon_high if a.epsilon_high is not None else a.epsilon],
-        "aggregation": TRL_AGGREGATION.get(a.loss_type, a.loss_type),
-        "advantage": _advantage(a.scale_rewards, 1e-4), "updates_per_batch": a.num_iterations,
-        "learning_rate": a.learning_rate,
-        "lr_schedule": getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type),
-        "warmup_steps": a.warmup_steps, "adam_betas": [a.adam_beta1, a.adam_beta2],
-        "adam_eps": a.adam_epsilon,
-        "weight_decay": a.weight_decay, "max_grad_norm": a.max_grad_norm, "temperature": a.temperature,
-        "top_p": a.top_p, "top_k": a.top_k, "eos_ids": sorted(trainer.eos_token_ids),
-        "optimizer": f"{type(optimizer).__name__}(fused={optimizer.defaults.get('fused')})",
-    }
     try:  # TRL's own rendering of a prompt (a private method: None if it moves)
         prompt_ids = list(trainer._tokenize_prompts([s.template.messages(s.train[0])])[0][0])
     except Exception:
@@ -456,7 +392,7 @@ def run_trl(spec: Spec, workdir: str) -> dict:
             "reward_mean_per_step": [h["reward"] for h in logged],
             "completion_length_per_step": [h.get("completions/mean_length") for h in logged],
             "truncated_fraction_per_step": [h.get("completions/clipped_ratio") for h in logged],
-            "completions_after": answers, "settings": settings, "prompt_ids": prompt_ids}
+            "completions_after": answers, "settings": trl.settings(trainer), "prompt_ids": prompt_ids}
 
 
 def worker(engine: str, spec: Spec) -> dict:
@@ -501,11 +437,19 @@ def _engine_summary(runs: list[dict]) -> dict | None:
     return out
 
 
+def _precision(s: dict) -> str:
+    """The weights' dtype, and the autocast dtype when it differs: ``"float32 + bf16 autocast"``."""
+    short = {"bfloat16": "bf16", "float16": "fp16"}
+    if s["compute_dtype"] == s["weights_dtype"]:
+        return s["weights_dtype"]
+    return f"{s['weights_dtype']} + {short.get(s['compute_dtype'], s['compute_dtype'])} autocast"
+
+
 def _used(s: dict) -> str:
     """What an engine trained with, in one line of the table (the settings the defaults mode lets differ)."""
     checkpointing = "gradient checkpointing" if s["gradient_checkpointing"] else "no gradient checkpointing"
     return (f"{s['prompts_per_step']} prompts x {s['group_size']} completions, {s['max_completion_tokens']} "
-            f"completion tokens, {s['precision']}, {checkpointing}, "
+            f"completion tokens, {_precision(s)}, {checkpointing}, "
             f"lr {s['learning_rate']:g} {s['lr_schedule']}, "
             f"{s['aggregation']} loss aggregation, advantage {s['advantage']}, "
             f"micro-batch {s['micro_batch_size']}")

@@ -23,29 +23,41 @@ compares them and fails if they differ):
   float32 master weights under bfloat16 autocast, ours ``MemoryPlan(compute_dtype="bfloat16")``,
   TRL's bf16 flag on a float32 model); KL coefficient; PPO clip 0.2; per-sequence mean aggregation
   (ours ``ClippedSurrogate(aggregation="sequence")``, TRL ``loss_type="grpo"``); group z-score
-  advantages; AdamW with the same lr, betas, eps, no weight decay, constant lr, gradient clipping
-  at 1.0 (torch's fused kernel, TRL's default with torch >= 2.8, ours on a GPU and on the CPU);
-  temperature 1, no top-p /
-  top-k; no vLLM ("TRL without vLLM": its transformers generation path); no logging or saving.
+  advantages (std + 1e-4, TRL's); AdamW with the same lr, betas, eps, no weight decay, constant lr,
+  gradient clipping at 1.0 (torch's fused kernel, TRL's default with torch >= 2.8, ours on a GPU and
+  on the CPU); temperature 1, no top-p / top-k; no vLLM ("TRL without vLLM": its transformers
+  generation path); no logging or saving.
 - The reward: a CRC of the completion text (``_models.hash_score``).
 
 Stages, timed without adding a synchronisation inside either step (``_measure.StageClock``: CUDA
-events on a GPU, read once after the step). Ours: wrappers around ``sampler.sample`` (generation)
-and ``optimizer.step``, and the trainer's own reward / log-prob timers; the sampler also marks the
-end of its prefill, which splits generation into prefill and decode. TRL's come from wrappers
-around its methods: ``_generate`` (generation), ``_calculate_rewards``,
-``_get_per_token_logps_and_entropies`` under no_grad (log-prob passes), ``training_step`` minus
-``_prepare_inputs`` plus accelerate's ``clip_grad_norm_`` (loss + backward), and the
-``on_pre_optimizer_step`` / ``on_optimizer_step`` callbacks (optimizer). ``other_s`` is the step time
-not in any stage. A step is timed from the end of the previous one (TRL: between ``on_step_end``
-callbacks), so it includes fetching the prompts.
+events on a GPU, read once after the step), at the same boundaries for both engines:
+
+- generation: ours ``sampler.sample`` (the sampler also marks the end of its prefill, which splits it
+  into prefill and decode); TRL ``_generate``;
+- log-prob passes without gradient (old / reference policy): ours the gradient pass's ``logprobs``;
+  TRL ``_get_per_token_logps_and_entropies`` under no_grad;
+- loss + backward: ours the trainer's gradient pass (``PolicyGradient.__call__``: every micro-batch's
+  forward, loss and backward) plus its gradient clipping (``World.clip_grad_norm``); TRL
+  ``training_step`` minus ``_prepare_inputs`` (each micro-batch's forward, loss and backward) plus
+  accelerate's ``clip_grad_norm_``;
+- optimizer: ours ``optimizer.step``; TRL between the ``on_pre_optimizer_step`` and
+  ``on_optimizer_step`` callbacks;
+- reward: ours the trainer's own timer (host work); TRL ``_calculate_rewards``;
+- ``other_s``: the step time in none of them, reported for both (ours: the prompt stream, the
+  advantages, the metrics and the callbacks; TRL: its input preparation besides generation, logging).
+
+A step is timed from the end of the previous one (TRL: between ``on_step_end`` callbacks), so it
+includes fetching the prompts. Each worker also records its timeline, seconds from its launch to the
+end of its imports, of its build and of each step (``times``).
 
 Peak memory, overall and per phase (sampling, training, optimizer; ``_measure.PhaseMemory``): on
 CPU the peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` when training starts and at
 each phase: the model, the imports and the trainer are in it, a transient peak while building them
 is not); on GPU ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` (weights included).
 
-Derived per engine (``_measure``): decode's fraction of the HBM roofline, training MFU, the time
+Derived per engine (``_measure``): decode's fraction of the HBM roofline and training MFU, each
+against the ceilings the GPU run's preflight measured on the machine (``--preflight``: an 8192^3
+bfloat16 matrix product, a device-to-device copy) and against the card's data-sheet peaks; the time
 from the worker's launch to the end of its first step; ours also the memory estimator's prediction.
 """
 
@@ -61,7 +73,18 @@ import time
 from pathlib import Path
 
 import _harness as harness
-from _measure import BF16_FLOPS, BYTES, NF4_BYTES, PhaseMemory, StageClock, decode_roofline, training_mfu
+import _trl as trl
+from _measure import (
+    BYTES,
+    NF4_BYTES,
+    PhaseMemory,
+    StageClock,
+    Wrapped,
+    ceilings,
+    decode_roofline,
+    status_kib,
+    training_mfu,
+)
 from _models import SHAPES, build_model, count_params, hash_score, make_prompts, word_tokenizer
 
 STAGES = ("generation_s", "reward_s", "logprobs_s", "loss_backward_s", "optimizer_s", "other_s")
@@ -88,6 +111,11 @@ class Preset:
     learning_rate: float = 1e-5
     warmup_steps: int = 1
     measured_steps: int = 3
+    trl_measured_steps: int | None = None  # TRL's worker (default: measured_steps)
+    # TRL's warm-up step generates only this many tokens (None: in full). Its warm-up loads kernels, Triton's
+    # JIT and the allocator, none of which depends on the length; ours keeps a full warm-up, where the CUDA
+    # graph and the compiled kernels are made at the measured shapes.
+    trl_warmup_completion_tokens: int | None = None
     repetitions: int = 2
     worker_timeout_s: float = 600.0  # ours; a fixed limit per worker
     trl_timeout_s: float | None = None  # TRL's worker (default: worker_timeout_s)
@@ -116,28 +144,31 @@ PRESETS: dict[str, Preset] = {
     "cpu-logits": Preset("qwen2-logits", prompts_per_step=2, group_size=4, prompt_tokens=32,
                          completion_tokens=64, micro_batch_size=4, warmup_steps=1, measured_steps=3,
                          repetitions=2, threads=1),
-    # The GPU presets measure 2 steps after 1 warm-up, each worker under a fixed limit (the limits of the
-    # presets benchmarks/gpu/run.sh runs add up to what its 8 minutes leave, tests/test_gpu_run.py);
-    # a worker prints its result after each measured step, so one cut at its limit keeps what it measured.
+    # The GPU presets (benchmarks/gpu/run.sh): ours 1 warm-up + 2 measured steps, TRL 1 short warm-up
+    # (16 tokens) + 1 measured, each worker under a fixed limit (their sum is the run's time plan,
+    # tests/test_gpu_run.py); a worker prints its result after each measured step, so one cut at its limit
+    # keeps what it measured.
     # Full fine-tuning in float32 master weights under bfloat16 autocast (TRL: bf16=True on a float32 model)
     "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="float32", compute_dtype="bfloat16",
                        prompts_per_step=8, group_size=8, prompt_tokens=128, completion_tokens=512,
                        micro_batch_size=16, learning_rate=1e-6, warmup_steps=1, measured_steps=2,
-                       repetitions=1, worker_timeout_s=50, trl_timeout_s=80, decoding="cuda_graph"),
+                       trl_measured_steps=1, trl_warmup_completion_tokens=16, repetitions=1,
+                       worker_timeout_s=45, trl_timeout_s=55, decoding="cuda_graph"),
     # LoRA r16 on Qwen2.5-1.5B, 4 x 8 x 1024, under the plan `grpo-engine plan --model qwen2.5-1.5b
     # --budget-gib 8` picks (gradient checkpointing), the same plan for TRL: the 8 GiB goal and the
     # memory ratio are judged here
     "gpu-1.5b": Preset("qwen2.5-1.5b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                        prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
                        lora_alpha=32.0, gradient_checkpointing=True, learning_rate=1e-5, warmup_steps=1,
-                       measured_steps=2, repetitions=1, worker_timeout_s=60, trl_timeout_s=100,
-                       decoding="cuda_graph"),
-    # a 7B shape under QLoRA (ours only: --engines ours)
+                       measured_steps=2, trl_measured_steps=1, trl_warmup_completion_tokens=16, repetitions=1,
+                       worker_timeout_s=65, trl_timeout_s=85, decoding="cuda_graph"),
+    # a 7B shape under QLoRA (ours only: --engines ours), the second run (run.sh --part 2): the 12 GiB goal
+    # is its peak, which one measured step shows
     "gpu-7b-qlora": Preset("qwen2.5-7b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                            prompt_tokens=128, completion_tokens=1024, micro_batch_size=4, lora_r=16,
                            lora_alpha=32.0, gradient_checkpointing=True, quantization="nf4",
-                           learning_rate=1e-5, warmup_steps=1, measured_steps=2, repetitions=1,
-                           worker_timeout_s=80, decoding="cuda_graph"),
+                           learning_rate=1e-5, warmup_steps=1, measured_steps=1, repetitions=1,
+                           worker_timeout_s=140, decoding="cuda_graph"),
 }
 
 
@@ -151,8 +182,9 @@ def smoke(p: Preset) -> Preset:
     """
     return dataclasses.replace(p, shape="smoke", device="cpu", prompts_per_step=2, group_size=2,
                                prompt_tokens=8, completion_tokens=8, micro_batch_size=2, warmup_steps=1,
-                               measured_steps=3, repetitions=1, threads=1, worker_timeout_s=60.0,
-                               trl_timeout_s=60.0,
+                               measured_steps=3, trl_measured_steps=None, repetitions=1, threads=1,
+                               worker_timeout_s=60.0, trl_timeout_s=60.0,
+                               trl_warmup_completion_tokens=2 if p.trl_warmup_completion_tokens else None,
                                # the GPU's fixed-shape path, eager (no CUDA graph on the CPU)
                                decoding="static" if p.decoding in ("auto", "cuda_graph") else p.decoding)
 
@@ -179,8 +211,8 @@ class MemoryMeter:
             torch.cuda.empty_cache()
             self.baseline = torch.cuda.memory_allocated()
         else:
-            self.setup_peak = _status_kib("VmHWM")
-            self.baseline = (_status_kib("VmRSS") or 0) * 1024
+            self.setup_peak = status_kib("VmHWM")
+            self.baseline = (status_kib("VmRSS") or 0) * 1024
             if not Path("/proc/self/clear_refs").exists():
                 self.scope = "process"  # VmHWM cannot be reset: the peak is the whole process's
         self.phases.enter("training")  # resets the peaks
@@ -198,16 +230,6 @@ class MemoryMeter:
         return {"peak_mib": peak, "baseline_mib": base, "peak_above_baseline_mib": peak - base,
                 "peak_scope": self.scope, "peak_reserved_mib": max(reserved) if reserved else None,
                 "setup_peak_mib": setup / 1024 if setup is not None else None, "phases_mib": phases}
-
-
-def _status_kib(key: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def _step_row(step_s: float, stages: dict[str, float], lengths: dict[str, int]) -> dict:
@@ -239,6 +261,11 @@ def _setup(p: Preset):
 # -- the two workers ------------------------------------------------------------------------------
 
 
+def _since_launch() -> float:
+    """Seconds since the parent launched this worker (the worker's timeline)."""
+    return round(time.time() - harness.launched_at(), 2)
+
+
 def _sync(device: str) -> None:
     """Waits for the GPU: only between steps, never inside one."""
     if device == "cuda":
@@ -251,11 +278,14 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
     from grpo_engine import ClippedSurrogate, GRPOConfig, GRPOTrainer, LoRA, MemoryPlan, Prompt, Reward
     from grpo_engine.advantages import GroupNormalized
     from grpo_engine.data.templates import PlainTemplate
+    from grpo_engine.memory.estimate import Workload, estimate_memory
+    from grpo_engine.sampling.hf import resolve_decoding
 
     class HashReward(Reward):
         def score(self, prompt, completion):
             return hash_score(completion)
 
+    times = {"imported_s": _since_launch()}
     model, tokenizer, texts = _setup(p)
     config = GRPOConfig(
         prompts_per_step=p.prompts_per_step, group_size=p.group_size, max_prompt_tokens=p.prompt_tokens,
@@ -273,18 +303,51 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
                         compile_training=p.compile_training,
                         pack_weights_for_sampling=p.pack_weights_for_sampling,
                         compiled_products_for_sampling=p.compiled_products_for_sampling)
-    from grpo_engine.memory.estimate import Workload, estimate_memory
-
     predicted = estimate_memory(model.config, memory, Workload(
         prompts_per_step=p.prompts_per_step, group_size=p.group_size, prompt_tokens=p.prompt_tokens,
         completion_tokens=p.completion_tokens, kl=p.kl_coef > 0))
     loss = ClippedSurrogate(clip_eps_low=0.2, kl_coef=p.kl_coef, aggregation="sequence")
     trainer = GRPOTrainer(model, [HashReward()], [Prompt(t) for t in texts], config, memory,
-                          tokenizer=tokenizer, advantage=GroupNormalized(), loss=loss,
+                          tokenizer=tokenizer, advantage=GroupNormalized(eps=trl.ADVANTAGE_EPS), loss=loss,
                           template=PlainTemplate("{question}"))
-
+    times["built_s"] = _since_launch()
     clock, meter, seen = StageClock(p.device), MemoryMeter(p.device), {}
+    _time_ours(trainer, clock, meter, seen)
 
+    def snapshot(final: bool) -> dict:  # the result so far: after each measured step, and at the end
+        decoding = trainer.sampler.last_decoding.get("path") or resolve_decoding(
+            memory.decoding, trainer.model, next(trainer.model.parameters()).device)
+        return {"rows": rows, "memory": meter.finish(final), "settings": trl.ours_settings(trainer),
+                "trainable_params": sum(x.numel() for x in trainer.model.parameters() if x.requires_grad),
+                "times": times, "predicted_peak_mib": predicted.peak_bytes / 2**20,
+                "predicted_phases_mib": {k: v / 2**20 for k, v in predicted.phases.items()},
+                "decoding": decoding + (", packed weights" if memory.pack_weights_for_sampling else "")
+                + (", compiled products" if memory.compiled_products_for_sampling else ""),
+                "decoding_fallback": trainer.sampler.last_decoding.get("capture_error"),
+                "prompt_sharing_in_training": memory.share_prompt and not memory.gradient_checkpointing}
+
+    rows = []
+    meter.start()
+    for _ in range(p.warmup_steps + p.measured_steps):
+        _sync(p.device)
+        start = time.perf_counter()
+        m = trainer.step()
+        stages = clock.seconds()  # synchronises once, after the step
+        step_s = time.perf_counter() - start
+        times.setdefault("steps_end_s", []).append(_since_launch())
+        phases = trainer.sampler.last_clock.seconds() if trainer.sampler.last_clock is not None else {}
+        stages["reward_s"] = m["time/reward_s"]  # host work (the trainer's wall-clock timer)
+        row = _step_row(step_s, stages, seen)
+        row.update(prefill_s=phases.get("prefill"), decode_s=phases.get("decode"))
+        rows.append(row)
+        if len(rows) > p.warmup_steps:
+            progress(snapshot(final=False))
+    return snapshot(final=True)
+
+
+def _time_ours(trainer, clock: StageClock, meter: MemoryMeter, seen: dict) -> None:
+    """Our trainer's stages timed at TRL's boundaries (module docstring): sampling, the no-grad log-prob
+    passes, the gradient pass plus clipping (``loss_backward_s``), the optimizer step."""
     def entering(phase, fn):
         def wrapper(*args, **kwargs):
             meter.phase(phase)
@@ -296,110 +359,83 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
     def record(batch):  # after sampling, which ends on the host anyway (the texts are decoded)
         seen.update(_lengths(batch.prompt_mask.sum(1).tolist(), batch.completion_lengths.tolist()))
 
+    gradients, world = trainer.gradients, trainer.world
+    trainer.gradients = Wrapped(gradients, call=clock.wrap("loss_backward_s", gradients),
+                                logprobs=clock.wrap("logprobs_s", gradients.logprobs))
+    trainer.world = Wrapped(world, clip_grad_norm=clock.wrap("loss_backward_s", world.clip_grad_norm))
     trainer.optimizer.step = entering("optimizer", clock.wrap("optimizer_s", trainer.optimizer.step))
     trainer.sampler.sample = entering("sampling",
                                       clock.wrap("generation_s", trainer.sampler.sample, after=record))
-    def snapshot(final: bool) -> dict:  # the result so far: after each measured step, and at the end
-        settings = {
-            "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
-            "completions_per_optimizer_step": config.completions_per_step,
-            "generations_per_optimizer_step": 1, "micro_batch_size": memory.micro_batch_size,
-            "max_completion_tokens": config.max_completion_tokens,
-            "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-            "gradient_checkpointing": harness.checkpointing(trainer.model),
-            "weights_dtype": harness.weights_dtype(trainer.model),
-            "compute_dtype": (memory.compute_dtype if memory.mixed_precision
-                              else harness.weights_dtype(trainer.model)),
-            "kl_coef": loss.kl_coef, "clip_eps": loss.clip_eps_low,
-            "aggregation": "sequence", "learning_rate": config.learning_rate,
-            "adam_betas": list(config.adam_betas),
-            "max_grad_norm": config.max_grad_norm, "temperature": config.temperature,
-            "compile_training": memory.compile_training,
-            "optimizer": (f"{type(trainer.optimizer).__name__}"
-                          f"(fused={trainer.optimizer.defaults.get('fused')})"),
-        }
-        trainable = sum(x.numel() for x in trainer.model.parameters() if x.requires_grad)
-        from grpo_engine.sampling.hf import resolve_decoding
-
-        return {"rows": rows, "memory": meter.finish(final), "settings": settings,
-                "trainable_params": trainable,
-                "first_step_s": first_step_s, "predicted_peak_mib": predicted.peak_bytes / 2**20,
-                "predicted_phases_mib": {k: v / 2**20 for k, v in predicted.phases.items()},
-                "decoding": (trainer.sampler.last_decoding.get("path") or resolve_decoding(
-                    memory.decoding, trainer.model, next(trainer.model.parameters()).device))
-                + (", packed weights" if memory.pack_weights_for_sampling else "")
-                + (", compiled products" if memory.compiled_products_for_sampling else ""),
-                "decoding_fallback": trainer.sampler.last_decoding.get("capture_error"),
-                "prompt_sharing_in_training": memory.share_prompt and not memory.gradient_checkpointing}
-
-    rows, first_step_s = [], None
-    meter.start()
-    for _ in range(p.warmup_steps + p.measured_steps):
-        _sync(p.device)
-        start = time.perf_counter()
-        m = trainer.step()
-        stages = clock.seconds()  # synchronises once, after the step
-        step_s = time.perf_counter() - start
-        first_step_s = first_step_s if first_step_s is not None else time.time() - harness.launched_at()
-        phases = trainer.sampler.last_clock.seconds() if trainer.sampler.last_clock is not None else {}
-        stages.update(reward_s=m["time/reward_s"], logprobs_s=m["time/logprobs_s"])
-        stages["loss_backward_s"] = (step_s - stages["generation_s"] - stages["optimizer_s"]
-                                     - stages["reward_s"] - stages["logprobs_s"])
-        row = _step_row(step_s, stages, seen)  # ours: loss_backward_s is the rest of the step
-        row.update(prefill_s=phases.get("prefill"), decode_s=phases.get("decode"))
-        rows.append(row)
-        if len(rows) > p.warmup_steps:
-            progress(snapshot(final=False))
-    return snapshot(final=True)
 
 
 def run_trl(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import TrainerCallback
-    from trl import GRPOConfig as TRLConfig
-    from trl import GRPOTrainer as TRLTrainer
 
+    times = {"imported_s": _since_launch()}
     model, tokenizer, texts = _setup(p)
-    completions = p.prompts_per_step * p.group_size
-    if completions % p.micro_batch_size:
-        raise SystemExit(f"B*G={completions} must be a multiple of micro_batch_size={p.micro_batch_size} "
-                         "for TRL")
     if p.kl_coef and not p.lora_r:  # TRL builds a full-FT reference model from a path: give it one
         model.save_pretrained(f"{workdir}/policy")
         model.config._name_or_path = f"{workdir}/policy"
     compute = p.compute_dtype or p.dtype
-    args = TRLConfig(
-        output_dir=workdir, per_device_train_batch_size=p.micro_batch_size,
-        gradient_accumulation_steps=completions // p.micro_batch_size, num_generations=p.group_size,
-        max_completion_length=p.completion_tokens, max_steps=p.warmup_steps + p.measured_steps,
-        learning_rate=p.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, max_grad_norm=1.0,
-        optim="adamw_torch_fused",  # TRL's default (torch >= 2.8), and ours
-        beta=p.kl_coef, use_bias_correction_kl=False, loss_type="grpo", scale_rewards="group", epsilon=0.2,
-        num_iterations=1, temperature=1.0, top_p=1.0, top_k=0,
-        gradient_checkpointing=p.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=compute == "bfloat16",
-        fp16=compute == "float16",
-        use_cpu=p.device == "cpu", disable_dropout=True, report_to="none", save_strategy="no",
-        logging_steps=10**6, disable_tqdm=True, seed=p.seed, dataloader_num_workers=0, log_completions=False,
-        torch_compile=p.compile_training,
-    )
-    peft_config = None
-    if p.lora_r:
-        peft_config = LoraConfig(r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=0.0,
-                                 target_modules="all-linear", task_type="CAUSAL_LM", bias="none")
+    warmup, measured = p.warmup_steps, p.trl_measured_steps or p.measured_steps
 
     def hash_reward(completions, **kwargs):
         return [hash_score(c) for c in completions]
 
-    trainer = TRLTrainer(model, reward_funcs=hash_reward, args=args,
-                         train_dataset=Dataset.from_dict({"prompt": texts}),
-                         processing_class=tokenizer, peft_config=peft_config)
+    trainer = trl.build(
+        model, tokenizer, Dataset.from_dict({"prompt": texts}), hash_reward, workdir=workdir,
+        group_size=p.group_size, completions=p.prompts_per_step * p.group_size,
+        micro_batch_size=p.micro_batch_size, max_completion_tokens=p.completion_tokens,
+        max_steps=warmup + measured, seed=p.seed, device=p.device,
+        lora=(p.lora_r, p.lora_alpha) if p.lora_r else None,
+        **trl.matched(aggregation="sequence", learning_rate=p.learning_rate, kl_coef=p.kl_coef),
+        gradient_checkpointing=p.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=compute == "bfloat16", fp16=compute == "float16", disable_dropout=True,
+        torch_compile=p.compile_training)
+    times["built_s"] = _since_launch()
+    clock, meter, seen, rows = StageClock(p.device), MemoryMeter(p.device), {}, []
+    _time_trl(trainer, clock, meter, seen, torch)
+    short = p.trl_warmup_completion_tokens if warmup else None
+    restore = trl.generate_at_most(trainer, short) if short else lambda: None
+    state = {}
 
-    clock, meter, seen = StageClock(p.device), MemoryMeter(p.device), {}
+    def step_done(seconds: float) -> None:
+        s = clock.seconds()  # synchronises once, after the step
+        times.setdefault("steps_end_s", []).append(_since_launch())
+        s["loss_backward_s"] = (s.pop("training_step_s", 0.0) - s.pop("prepare_inputs_s", 0.0)
+                                + s.pop("clip_s", 0.0))
+        row = _step_row(seconds, s, seen)
+        row.update(prefill_s=None, decode_s=None)
+        rows.append(row)
+        if len(rows) == warmup:
+            restore()  # a short warm-up step ends: the measured steps generate in full
+        if len(rows) > warmup:
+            progress(snapshot(final=False))
 
+    def optimizer_start() -> None:
+        meter.phase("optimizer")
+        state["optimizer"] = clock.start("optimizer_s")
+
+    def optimizer_end() -> None:
+        clock.stop(state.pop("optimizer"))
+        meter.phase("training")
+
+    def snapshot(final: bool) -> dict:  # the result so far: after each measured step, and at the end
+        return {"rows": rows, "memory": meter.finish(final), "settings": trl.settings(trainer),
+                "trainable_params": sum(x.numel() for x in trainer.model.parameters() if x.requires_grad),
+                "times": times, "decoding": "transformers generate", "prompt_sharing_in_training": False,
+                "warmup_completion_tokens": short}
+
+    trainer.add_callback(trl.step_timer(step_done, begin=meter.start, before_optimizer=optimizer_start,
+                                        after_optimizer=optimizer_end))
+    trainer.train()
+    return snapshot(final=True)
+
+
+def _time_trl(trainer, clock: StageClock, meter: MemoryMeter, seen: dict, torch) -> None:
+    """TRL's stages from wrappers on its own methods (module docstring)."""
     def record(out):  # _generate returns (prompt_ids, completion_ids, ...) as lists of id lists
         seen.update(_lengths([len(x) for x in out[0]], [len(x) for x in out[1]]))
 
@@ -419,65 +455,6 @@ def run_trl(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
     trainer._prepare_inputs = clock.wrap("prepare_inputs_s", trainer._prepare_inputs)
     # clipping runs after training_step; accelerate's public method, whichever transformers calls it
     trainer.accelerator.clip_grad_norm_ = clock.wrap("clip_s", trainer.accelerator.clip_grad_norm_)
-    rows, state = [], {}
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            meter.start()
-            state["last"] = time.perf_counter()
-
-        def on_pre_optimizer_step(self, *a, **k):
-            meter.phase("optimizer")
-            state["optimizer"] = clock.start("optimizer_s")
-
-        def on_optimizer_step(self, *a, **k):
-            clock.stop(state.pop("optimizer"))
-            meter.phase("training")
-
-        def on_step_end(self, *a, **k):
-            s = clock.seconds()  # synchronises once, after the step
-            now = time.perf_counter()
-            state.setdefault("first_step_s", time.time() - harness.launched_at())
-            s["loss_backward_s"] = (s.pop("training_step_s", 0.0) - s.pop("prepare_inputs_s", 0.0)
-                                    + s.pop("clip_s", 0.0))
-            row = _step_row(now - state["last"], s, seen)
-            row.update(prefill_s=None, decode_s=None)
-            rows.append(row)
-            if len(rows) > p.warmup_steps:
-                progress(snapshot(final=False))
-            state["last"] = time.perf_counter()  # the partial result's cost is not the next step's
-
-    def snapshot(final: bool) -> dict:  # the result so far: after each measured step, and at the end
-        a = trainer.args
-        settings = {
-            "prompts_per_step": a.generation_batch_size // a.num_generations, "group_size": a.num_generations,
-            "completions_per_optimizer_step": a.per_device_train_batch_size * a.gradient_accumulation_steps,
-            "generations_per_optimizer_step": a.gradient_accumulation_steps // a.steps_per_generation,
-            "micro_batch_size": a.per_device_train_batch_size,
-            "max_completion_tokens": a.max_completion_length,
-            "lora": harness.lora_settings(getattr(trainer.model, "peft_config", {}).get("default")),
-            "gradient_checkpointing": harness.checkpointing(trainer.model),
-            "weights_dtype": harness.weights_dtype(trainer.model),
-            "compute_dtype": ("bfloat16" if a.bf16 else "float16" if a.fp16
-                              else harness.weights_dtype(trainer.model)),
-            "kl_coef": a.beta, "clip_eps": a.epsilon,
-            "aggregation": {"grpo": "sequence", "dapo": "token",
-                            "dr_grpo": "constant"}.get(a.loss_type, a.loss_type),
-            "learning_rate": a.learning_rate, "adam_betas": [a.adam_beta1, a.adam_beta2],
-            "max_grad_norm": a.max_grad_norm, "temperature": a.temperature,
-            "compile_training": bool(a.torch_compile),
-            "optimizer": f"{type(trainer.optimizer.optimizer).__name__}"
-                         f"(fused={trainer.optimizer.optimizer.defaults.get('fused')})",
-        }
-        trainable = sum(x.numel() for x in trainer.model.parameters() if x.requires_grad)
-        return {"rows": rows, "memory": meter.finish(final), "settings": settings,
-                "trainable_params": trainable,
-                "first_step_s": state.get("first_step_s"), "decoding": "transformers generate",
-                "prompt_sharing_in_training": False}
-
-    trainer.add_callback(Clock())
-    trainer.train()
-    return snapshot(final=True)
 
 
 def worker(engine: str, p: Preset) -> dict:
@@ -501,17 +478,19 @@ def _summarize(engine: str, p: Preset, raw: dict) -> dict:
     generated = harness.median(r["generated_tokens"] for r in measured)
     return {
         "measured_steps": len(measured),
-        "engine": engine, "step_s": med["step_s"], "step_s_min": min(r["step_s"] for r in measured),
+        "engine": engine, "hardware": harness.hardware(p.device),
+        "step_s": med["step_s"], "step_s_min": min(r["step_s"] for r in measured),
         "stages": {k: med[k] for k in STAGES}, "prefill_s": med["prefill_s"], "decode_s": med["decode_s"],
-        "first_step_s": raw["first_step_s"], "decoding": raw["decoding"],
+        "first_step_s": raw["times"]["steps_end_s"][0], "times": raw["times"], "decoding": raw["decoding"],
         "decoding_fallback": raw.get("decoding_fallback"),
         "prompt_sharing_in_training": raw["prompt_sharing_in_training"],
+        "warmup_completion_tokens": raw.get("warmup_completion_tokens"),
         "tokens_per_s": generated / med["generation_s"] if med["generation_s"] else None,
         "e2e_tokens_per_s": generated / med["step_s"], "generated_tokens_per_step": generated,
-        **{k: f(r[k] for r in raw["rows"]) for k, f in (("prompt_tokens_min", min),
-                                                         ("prompt_tokens_max", max),
-                                                         ("completion_tokens_min", min),
-                                                         ("completion_tokens_max", max))},
+        # the lengths of the measured steps (a short warm-up generates fewer tokens)
+        **{k: f(r[k] for r in measured) for k, f in (("prompt_tokens_min", min), ("prompt_tokens_max", max),
+                                                     ("completion_tokens_min", min),
+                                                     ("completion_tokens_max", max))},
         **raw["memory"], "trainable_params": raw["trainable_params"], "settings": raw["settings"],
         "steps": raw["rows"],
         **{k: raw[k] for k in ("predicted_peak_mib", "predicted_phases_mib") if k in raw},
@@ -545,9 +524,10 @@ def floor(p: Preset) -> dict:
     }
 
 
-def derived(p: Preset, fl: dict, result: dict) -> dict:
-    """Decode's share of the HBM roofline and training MFU of one engine's result (GPU ceilings; on the
-    CPU the rates without a fraction)."""
+def derived(p: Preset, fl: dict, result: dict, limits: dict) -> dict:
+    """Decode's share of the HBM roofline and training MFU of one engine's result, against the measured
+    ceilings and the card's data-sheet peaks (``limits``: :func:`_measure.ceilings`); on the CPU the
+    rates without a fraction."""
     gpu = p.device == "cuda"
     n = p.prompts_per_step * p.group_size
     decode_s = result.get("decode_s") or result["stages"]["generation_s"]  # TRL: generation, prefill included
@@ -557,29 +537,34 @@ def derived(p: Preset, fl: dict, result: dict) -> dict:
                                lora_params=lora_params, rows=n, prompt_tokens=p.prompt_tokens,
                                completion_tokens=p.completion_tokens,
                                kv_bytes_per_token=fl["kv_bytes_per_token"],
-                               decode_s=decode_s, hbm_bytes_per_s=4.3e12 if gpu else float("inf"))
+                               decode_s=decode_s, hbm_bytes_per_s=limits["copy_bytes_per_s"])
     shared = result.get("prompt_sharing_in_training")
     trained = (p.prompts_per_step * p.prompt_tokens + n * p.completion_tokens if shared
                else n * (p.prompt_tokens + p.completion_tokens))
     mfu = training_mfu(matmul_params=fl["matmul_params"], layers=fl["layers"], q_dim=fl["q_dim"],
                        trained_tokens=trained, sequence_tokens=p.prompt_tokens + p.completion_tokens,
                        full=p.lora_r is None, checkpointing=p.gradient_checkpointing,
-                       train_s=result["stages"]["loss_backward_s"],
-                       peak_flops=BF16_FLOPS if gpu else float("inf"))
+                       train_s=result["stages"]["loss_backward_s"], peak_flops=limits["matmul_flops"])
+    achieved, rate = mfu["achieved_flops"], roofline["achieved_bytes_per_s"]
+    spec_flops, spec_hbm = limits["spec_bf16_flops"], limits["spec_hbm_bytes_per_s"]
     return {"decode_time_s": decode_s, "decode_bytes_per_step": roofline["bytes_per_step"],
-            "decode_bytes_per_s": roofline["achieved_bytes_per_s"],
+            "decode_bytes_per_s": rate,
             "decode_roofline_fraction": roofline["fraction"] if gpu else None,
+            "decode_roofline_fraction_spec": rate / spec_hbm if gpu and rate and spec_hbm else None,
             "trained_tokens_per_step": trained, "train_flops_per_step": mfu["flops_per_step"],
-            "train_tflops": mfu["achieved_flops"] / 1e12 if mfu["achieved_flops"] else None,
-            "mfu": mfu["mfu"] if gpu else None}
+            "train_tflops": achieved / 1e12 if achieved else None,
+            "mfu": mfu["mfu"] if gpu else None,
+            "mfu_spec": achieved / spec_flops if gpu and achieved and spec_flops else None}
 
 
-def _aggregate(p: Preset, runs: list[dict], fl: dict) -> dict:
+def _aggregate(p: Preset, runs: list[dict], fl: dict, limits: dict) -> dict:
     med = lambda key: harness.median(r.get(key) for r in runs)  # None where no run has a value
     out = {"step_s": med("step_s"), "step_s_min": min(r["step_s_min"] for r in runs),
            "stages": {k: harness.median(r["stages"][k] for r in runs) for k in STAGES},
            "prefill_s": med("prefill_s"), "decode_s": med("decode_s"),
-           "first_step_s": med("first_step_s"), "decoding": runs[0]["decoding"],
+           "first_step_s": med("first_step_s"), "times": [r["times"] for r in runs],
+           "decoding": runs[0]["decoding"],
+           "warmup_completion_tokens": runs[0].get("warmup_completion_tokens"),
            "decoding_fallback": runs[0].get("decoding_fallback"),
            "prompt_sharing_in_training": runs[0]["prompt_sharing_in_training"],
            "generated_tokens_per_step": med("generated_tokens_per_step"),
@@ -601,7 +586,7 @@ def _aggregate(p: Preset, runs: list[dict], fl: dict) -> dict:
     gen_s = out["stages"]["generation_s"]
     out["tokens_per_s"] = out["generated_tokens_per_step"] / gen_s if gen_s else None
     out["e2e_tokens_per_s"] = out["generated_tokens_per_step"] / out["step_s"]
-    out.update(derived(p, fl, out))
+    out.update(derived(p, fl, out, limits))
     return out
 
 
@@ -626,25 +611,31 @@ def _problems(p: Preset, results: dict) -> list[str]:
     return problems
 
 
-def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str]) -> dict:
+def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str],
+            preflight: Path | None) -> dict:
+    # the workers name the device (the parent imports no torch); its data-sheet peaks follow from the name
+    named = [r["hardware"] for rs in runs.values() for r in rs if r.get("hardware")]
+    hardware = named[0] if named else harness.hardware("cpu") if p.device == "cpu" else None
+    limits = ceilings(hardware if p.device == "cuda" else None, preflight)
     fl = floor(p)
-    results = {e: _aggregate(p, r, fl) if r else None for e, r in runs.items()}
-    ours, trl = results.get("ours"), results.get("trl")
-    both = bool(ours and trl)
+    results = {e: _aggregate(p, r, fl, limits) if r else None for e, r in runs.items()}
+    ours, theirs = results.get("ours"), results.get("trl")
+    both = bool(ours and theirs)
     problems = _problems(p, results)
     return {
-        "preset": name, "device": p.device, "hardware": harness.hardware(p.device),
-        "versions": harness.versions(),
-        "spec": dataclasses.asdict(p), "floor": fl, "ours": ours, "trl": trl,
-        "ratio_step_time": ours["step_s"] / trl["step_s"] if both else None,
-        "ratio_peak_memory": ours["peak_mib"] / trl["peak_mib"] if both else None,
+        "preset": name, "device": p.device, "hardware": hardware,
+        "versions": harness.versions(), "commit": harness.git_commit(), "ceilings": limits,
+        "spec": dataclasses.asdict(p), "floor": fl, "ours": ours, "trl": theirs,
+        "ratio_step_time": ours["step_s"] / theirs["step_s"] if both else None,
+        "ratio_peak_memory": ours["peak_mib"] / theirs["peak_mib"] if both else None,
         # TRL's plain generate() is its slowest path: the training part compared on its own
-        "ratio_loss_backward": (ours["stages"]["loss_backward_s"] / trl["stages"]["loss_backward_s"]
-                                if both and trl["stages"]["loss_backward_s"] else None),
-        "ratio_peak_above_baseline": (ours["peak_above_baseline_mib"] / trl["peak_above_baseline_mib"]
-                                      if both and trl["peak_above_baseline_mib"] > 0 else None),
-        "ratio_generation_tokens_per_s": (ours["tokens_per_s"] / trl["tokens_per_s"]
-                                          if both and ours["tokens_per_s"] and trl["tokens_per_s"] else None),
+        "ratio_loss_backward": (ours["stages"]["loss_backward_s"] / theirs["stages"]["loss_backward_s"]
+                                if both and theirs["stages"]["loss_backward_s"] else None),
+        "ratio_peak_above_baseline": (ours["peak_above_baseline_mib"] / theirs["peak_above_baseline_mib"]
+                                      if both and theirs["peak_above_baseline_mib"] > 0 else None),
+        "ratio_generation_tokens_per_s": (
+            ours["tokens_per_s"] / theirs["tokens_per_s"]
+            if both and ours["tokens_per_s"] and theirs["tokens_per_s"] else None),
         "settings_match": not any(x.startswith(("setting", "trainable")) for x in problems) if both else None,
         "problems": problems, "errors": list(errors),
         "runs": {e: [{k: v for k, v in r.items() if k != "settings"} for r in rs] for e, rs in runs.items()},
@@ -652,13 +643,15 @@ def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str]
 
 
 def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, budget_s: float | None = None,
-            deadline: float | None = None, log: Path | None = None) -> dict:
+            deadline: float | None = None, log: Path | None = None, preflight: Path | None = None) -> dict:
     """Runs the alternating workers and returns the report (also written to ``out`` after each worker).
 
     Each worker has a fixed time limit (``worker_timeout_s``, TRL's ``trl_timeout_s``), cut to what
     is left before ``deadline`` (epoch seconds) or of ``budget_s``; a worker with under 10 s left is
-    skipped and reported in ``errors``.
+    skipped and reported in ``errors``. ``preflight``: the GPU run's preflight.json, whose measured
+    matrix-product rate and copy bandwidth are the ceilings of MFU and the roofline.
     """
+    report = lambda: _report(name, p, runs, errors, preflight)  # noqa: E731
     ends = [x for x in (deadline, time.time() + budget_s if budget_s is not None else None) if x is not None]
     end = min(ends) if ends else None
     runs: dict[str, list[dict]] = {e: [] for e in engines}
@@ -680,11 +673,11 @@ def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, bu
         if result is not None:  # with an error: the steps measured before it ("partial": true)
             runs[engine].append(result)
         if out is not None:
-            harness.write_report(out, _report(name, p, runs, errors))
-    report = _report(name, p, runs, errors)
+            harness.write_report(out, report())
+    final = report()
     if out is not None:
-        harness.write_report(out, report)
-    return report
+        harness.write_report(out, final)
+    return final
 
 
 def _summary(r: dict) -> str:
@@ -743,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="shrink the preset to a tiny CPU run (see smoke())")
     parser.add_argument("--log", type=Path, help="append each worker's stderr to this file")
+    parser.add_argument("--preflight", type=Path,
+                        help="the GPU run's preflight.json: its measured ceilings for MFU and the roofline")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -761,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     if not set(engines) <= {"ours", "trl"} or not engines:
         raise SystemExit(f"--engines {args.engines!r}: use ours, trl or ours,trl")
-    report = compare(args.preset, p, engines, args.out, args.budget_s, args.deadline, args.log)
+    report = compare(args.preset, p, engines, args.out, args.budget_s, args.deadline, args.log,
+                     args.preflight)
     print(_summary(report), flush=True)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
     return 1 if report["problems"] or report["errors"] else 0

@@ -125,7 +125,8 @@ def test_defaults_mode_trains_ours_with_its_own_batch_shape(tiny_folder, tmp_pat
     assert settings["lr_schedule"] == demo.lr_schedule
     assert settings["aggregation"] == demo.loss_aggregation  # the recipe's loss and advantage
     assert settings["advantage"] == learning._advantage(demo.advantage_std_scope, 1e-6)
-    assert settings["precision"] == "float32" and settings["gradient_checkpointing"] is False
+    assert settings["weights_dtype"] == settings["compute_dtype"] == "float32"
+    assert settings["gradient_checkpointing"] is False
 
 
 def test_defaults_mode_gives_trl_what_its_users_pick_on_a_cpu(tiny_folder, tmp_path):
@@ -137,7 +138,7 @@ def test_defaults_mode_gives_trl_what_its_users_pick_on_a_cpu(tiny_folder, tmp_p
 
     spec = learning.Spec(model=str(tiny_folder), **DEFAULTS)
     settings = learning.run_trl(spec, str(tmp_path))["settings"]
-    assert settings["precision"] == "float32"  # no " + bf16 autocast"
+    assert settings["weights_dtype"] == settings["compute_dtype"] == "float32"  # no bf16 autocast
     assert settings["gradient_checkpointing"] is False
     assert settings["max_completion_tokens"] == DemoSettings().max_completion_tokens == 16
     # --prompts-per-step / --group-size
@@ -151,7 +152,8 @@ def test_first_seed_runs_the_later_seeds_in_the_alternating_order(tmp_path, monk
     """--first-seed 2 --seeds 2 runs seeds 2 and 3 only, each in the order a full run gives it."""
     calls = []
 
-    settings = {"prompts_per_step": 2, "group_size": 2, "max_completion_tokens": 16, "precision": "float32",
+    settings = {"prompts_per_step": 2, "group_size": 2, "max_completion_tokens": 16, "weights_dtype": "float32",
+                "compute_dtype": "float32",
                 "gradient_checkpointing": False, "learning_rate": 1e-4, "lr_schedule": "linear",
                 "aggregation": "token", "advantage": "z-score, group std + 0.0001", "micro_batch_size": 4}
 
