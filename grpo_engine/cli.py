@@ -95,7 +95,7 @@ def _train_help() -> str:
 
 def _train(args: argparse.Namespace) -> int:
     from grpo_engine import checkpoint
-    from grpo_engine.data import DataError
+    from grpo_engine.data.errors import DataError
     from grpo_engine.spec import BuildError, RunSpec, build
 
     path = args.config
@@ -205,7 +205,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _eval_prompts(args: argparse.Namespace) -> list:
-    from grpo_engine.data import DataError, load_gsm8k, load_jsonl_prompts, load_math500
+    from grpo_engine.data.errors import DataError
+    from grpo_engine.data.loaders import load_gsm8k, load_jsonl_prompts, load_math500
 
     if args.dataset != "jsonl" and (args.question_field or args.answer_field):
         raise DataError("--question-field/--answer-field apply to --dataset jsonl only; "
@@ -224,10 +225,11 @@ def _eval_prompts(args: argparse.Namespace) -> list:
 def _eval(args: argparse.Namespace) -> int:
     import torch
 
-    from grpo_engine.data import DataError, default_template
+    from grpo_engine.data.errors import DataError
+    from grpo_engine.data.templates import default_template
     from grpo_engine.eval import evaluate
     from grpo_engine.models import load_model
-    from grpo_engine.rewards import MathAccuracy
+    from grpo_engine.rewards.math import MathAccuracy
 
     try:
         prompts = _eval_prompts(args)

@@ -87,7 +87,7 @@ def recipe_components(settings: DemoSettings) -> dict[str, Any]:
         ('MeanBaseline', 'constant', 16)
     """
     from grpo_engine.advantages import GroupNormalized
-    from grpo_engine.losses import ClippedSurrogate
+    from grpo_engine.losses.clipped import ClippedSurrogate
     from grpo_engine.presets import dr_grpo
 
     if (settings.advantage_std_scope, settings.loss_aggregation) == ("none", "constant"):
@@ -107,7 +107,8 @@ def recipe_rewards(settings: DemoSettings, accuracy: Any = None) -> list:
         >>> [type(reward).__name__ for reward in recipe_rewards(DemoSettings())]
         ['FinishedOnly']
     """
-    from grpo_engine.rewards import FinishedOnly, MathAccuracy
+    from grpo_engine.rewards.length import FinishedOnly
+    from grpo_engine.rewards.math import MathAccuracy
 
     accuracy = accuracy if accuracy is not None else MathAccuracy()
     return [FinishedOnly(accuracy) if settings.finished_only else accuracy]
@@ -200,12 +201,13 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
 
 
 def _run(s: DemoSettings) -> dict:
-    from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
-    from grpo_engine.config import peak_learning_rate
-    from grpo_engine.data import ChatTemplate
+    from grpo_engine.config import GRPOConfig, peak_learning_rate
+    from grpo_engine.data.templates import ChatTemplate
     from grpo_engine.eval import greedy_accuracy
+    from grpo_engine.memory.plan import LoRA, MemoryPlan
     from grpo_engine.models import load_model
-    from grpo_engine.rewards import MathAccuracy
+    from grpo_engine.rewards.math import MathAccuracy
+    from grpo_engine.trainer import GRPOTrainer
 
     wall = time.perf_counter()
     # each run its own folder: nothing is overwritten

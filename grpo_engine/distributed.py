@@ -200,15 +200,6 @@ def parallelism(memory: MemoryPlan, world: World, *, full_reference: bool, filte
     return DataParallel(world)
 
 
-def place_model(model: nn.Module, world: World, *, loaded_here: bool, quantized: bool) -> nn.Module:
-    """The model on this rank's device: a model the trainer loaded goes to the GPU when there is one
-    (a 4-bit one was loaded onto it); one the caller placed on a GPU goes to this rank's GPU."""
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    if (loaded_here and not quantized and world.device.type == "cuda") or (world.size > 1 and on_gpu):
-        return model.to(world.device)
-    return model
-
-
 # -- FSDP2 ----------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,5 @@
-"""Loading a policy and its tokenizer from a local folder or a hub id, and preparing it to train."""
+"""Loading a policy and its tokenizer from a local folder or a hub id, and preparing it to train: on this
+rank's device, under its ``MemoryPlan``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from grpo_engine.world import World
 
 __all__ = ["load_model", "load_policy"]
 
@@ -51,13 +54,12 @@ def load_model(name_or_path: str | Path, *, dtype: str = "float32", plan=None):
 def load_policy(model: str | Path | nn.Module, tokenizer: Any, plan: Any,
                 world: Any) -> tuple[nn.Module, Any]:
     """The policy to train and its tokenizer: ``model`` loaded when it is a folder or hub id, put on this
-    rank's device (``grpo_engine.distributed.place_model``), and prepared by the ``MemoryPlan`` ``plan``
-    (dtype, 4-bit base, LoRA, checkpointing).
+    rank's device (:func:`place_model`), and prepared by the ``MemoryPlan`` ``plan`` (dtype, 4-bit base,
+    LoRA, checkpointing).
 
     Raises:
         ValueError: a model object without its tokenizer.
     """
-    from grpo_engine.distributed import place_model
     from grpo_engine.memory.apply import prepare_model
 
     loaded_here = isinstance(model, (str, Path))
@@ -69,3 +71,12 @@ def load_policy(model: str | Path | nn.Module, tokenizer: Any, plan: Any,
                          "tokenizer=tokenizer)")
     model = place_model(model, world, loaded_here=loaded_here, quantized=plan.quantization is not None)
     return prepare_model(model, plan), tokenizer
+
+
+def place_model(model: nn.Module, world: World, *, loaded_here: bool, quantized: bool) -> nn.Module:
+    """The model on this rank's device: a model the trainer loaded goes to the GPU when there is one
+    (a 4-bit one was loaded onto it); one the caller placed on a GPU goes to this rank's GPU."""
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if (loaded_here and not quantized and world.device.type == "cuda") or (world.size > 1 and on_gpu):
+        return model.to(world.device)
+    return model

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_engine.advantages import RLOO, GroupNormalized, MeanBaseline
-from grpo_engine.losses import CISPO, GSPO, ClippedSurrogate, KLPenalty
+from grpo_engine.losses.cispo import CISPO
+from grpo_engine.losses.clipped import ClippedSurrogate
+from grpo_engine.losses.gspo import GSPO
+from grpo_engine.losses.terms import KLPenalty
 from grpo_engine.protocols import AdvantageFn, GroupFilter, GRPOLoss, RewardFn
 from grpo_engine.rewards.length import OverlongPenalty
 from grpo_engine.sampling.dynamic import DynamicSampling

@@ -140,7 +140,7 @@ def build(spec: ComponentSpec) -> Any:
         raise BuildError(f"cannot import {spec.target!r}: {module_name} has no {attr!r}{hint}")
     try:
         if spec.kind == "reward_function":
-            from grpo_engine.rewards import FunctionReward
+            from grpo_engine.rewards.function import FunctionReward
 
             return FunctionReward(getattr(module, attr), **spec.kwargs)
         return getattr(module, attr)(**spec.kwargs)

@@ -36,7 +36,7 @@ from grpo_engine.distributed import World, parallelism
 from grpo_engine.eval import evaluate
 from grpo_engine.gradients import GradientPass, OldLogprobs, PolicyGradient
 from grpo_engine.logging import MetricsLogger, NullLogger, StageTimer, step_metrics
-from grpo_engine.losses import ClippedSurrogate
+from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.memory.apply import ReferencePolicy, autocast, build_optimizer, is_peft, trainable_parameters
 from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.models import load_policy
@@ -50,7 +50,8 @@ from grpo_engine.protocols import (
     Sampler,
 )
 from grpo_engine.report import report_callbacks
-from grpo_engine.rewards import WeightedSum, trainer_runner
+from grpo_engine.rewards.compose import WeightedSum
+from grpo_engine.rewards.runner import trainer_runner
 from grpo_engine.rollout import Rollouts
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.tools.rollout import with_tools
@@ -245,8 +246,7 @@ class GRPOTrainer:
         """Greedy pass@1 of the current policy on ``prompts``: ``{"eval/pass@1": ...}``.
 
         Uses the trainer's template (the chat template when none was given), ``reward`` (default:
-        the first reward) and ``max_new_tokens`` (default: ``max_completion_tokens``).
-        """
+        the first reward) and ``max_new_tokens`` (default: ``max_completion_tokens``)."""
         cfg = self.config
         with self._autocast():
             report = evaluate(self.model, self.tokenizer, prompts, reward or self.rewards.rewards[0],

@@ -11,8 +11,8 @@ Example:
 """
 
 from grpo_engine.data.curriculum import InformativeCurriculum, PromptStats
+from grpo_engine.data.errors import DataError
 from grpo_engine.data.loaders import (
-    DataError,
     gsm8k_final_answer,
     load_gsm8k,
     load_jsonl_prompts,

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from grpo_engine.data.loaders import DataError, data_error
+from grpo_engine.data.errors import DataError, data_error
 from grpo_engine.data.records import to_prompts
 from grpo_engine.data.stream import PromptStream
 from grpo_engine.protocols import PromptSource

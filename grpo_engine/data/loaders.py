@@ -18,6 +18,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from grpo_engine.data.errors import DataError, data_error
 from grpo_engine.types import Prompt
 
 __all__ = ["DataError", "gsm8k_final_answer", "load_gsm8k", "load_jsonl_prompts", "load_math500"]
@@ -25,28 +26,11 @@ __all__ = ["DataError", "gsm8k_final_answer", "load_gsm8k", "load_jsonl_prompts"
 Location = tuple[str, dict[str, Any]]  # ("file.jsonl:3", {"source": "file.jsonl", "line": 3})
 
 
-class DataError(ValueError):
-    """A data file, record or data-package argument that cannot be used as given."""
-
-
 class _Bad:
     """A record a reader could not read (the problem, at its location)."""
 
     def __init__(self, problem: str) -> None:
         self.problem = problem
-
-
-MAX_LISTED = 20  # problems listed in one DataError; the rest are counted
-
-
-def data_error(problems: list[str], source: str, fix: str = "") -> DataError:
-    """One error listing every problem (the first ``MAX_LISTED``), each with its file and line; a lone
-    problem without ``fix`` is the message itself."""
-    if len(problems) == 1 and not fix:
-        return DataError(problems[0])
-    more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-    return DataError(f"{source}: {len(problems)} bad record(s){'; ' + fix if fix else ''}:\n  "
-                     + "\n  ".join(problems[:MAX_LISTED]) + more)
 
 
 def load_jsonl_prompts(

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from grpo_engine.data.loaders import DataError, data_error
+from grpo_engine.data.errors import DataError, data_error
 from grpo_engine.types import Prompt
 
 __all__ = ["QUESTION_COLUMNS", "ANSWER_COLUMNS", "to_prompts"]

@@ -14,7 +14,7 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from grpo_engine.data.loaders import DataError
+from grpo_engine.data.errors import DataError
 from grpo_engine.types import Prompt
 
 __all__ = ["PromptStream", "EpochOrder"]

@@ -18,7 +18,7 @@ import random
 import string
 from collections.abc import Callable, Sequence
 
-from grpo_engine.data.loaders import DataError
+from grpo_engine.data.errors import DataError
 from grpo_engine.types import Prompt
 
 __all__ = ["arithmetic_task", "comparison_task"]

@@ -20,7 +20,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from grpo_engine.data.loaders import DataError
+from grpo_engine.data.errors import DataError
 from grpo_engine.types import Prompt
 
 __all__ = ["ChatTemplate", "PlainTemplate", "PromptTemplate", "default_template"]

@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from grpo_engine._quiet import quiet_peft
-from grpo_engine.memory.plan import MemoryPlan
+
+if TYPE_CHECKING:  # applying a plan reads its fields; it never builds one
+    from grpo_engine.memory.plan import MemoryPlan
 
 __all__ = [
     "prepare_model", "build_optimizer", "ReferencePolicy", "trainable_parameters", "quantize_4bit_",
@@ -95,6 +98,7 @@ def autocast(plan: MemoryPlan, device: torch.device) -> contextlib.AbstractConte
     """``torch.autocast`` to the plan's ``compute_dtype`` under mixed precision, else a no-op context.
 
     Example:
+        >>> from grpo_engine.memory.plan import MemoryPlan
         >>> with autocast(MemoryPlan(compute_dtype="bfloat16"), torch.device("cpu")):
         ...     torch.ones(2, 2) @ torch.ones(2, 2)
         tensor([[2., 2.],
