@@ -11,13 +11,13 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from grpo_engine import LoRA, MemoryPlan
 from grpo_engine.data import PlainTemplate
 from grpo_engine.memory.estimate import Workload, estimate_memory
-from grpo_engine.sampling import static
+from grpo_engine.sampling import compiled_step, static
 from grpo_engine.sampling.decode import TokenDraw, decode
 from grpo_engine.sampling.hf import HFSampler, resolve_decoding
 from grpo_engine.sampling.static import StaticDecoder, decode_static, grouped_attention, supports_static
 from grpo_engine.types import Prompt
 
-from .tiny import char_tokenizer, tiny_llama
+from .tiny import ReplayByRunning, char_tokenizer, tiny_llama
 
 
 def tiny_qwen2(vocab_size: int) -> Qwen2ForCausalLM:
@@ -143,8 +143,8 @@ def test_the_cache_is_the_size_the_memory_estimator_predicts(dtype):
     ids, mask, _ = ragged_prompts(model.float(), tok)
     model = model.to(dtype)
     prompts, group, completion = ids.shape[0], 4, 24
-    decoder = StaticDecoder(model, ids, mask, repeats=group, max_new_tokens=completion, eos_ids=[1], pad_id=0,
-                            draw=DRAWS["greedy"])
+    decoder = StaticDecoder(model, rows=prompts * group, prompt_tokens=ids.shape[1],
+                            max_new_tokens=completion, eos_ids=[1], pad_id=0, draw=DRAWS["greedy"])
     plan = MemoryPlan(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     predicted = estimate_memory(model.config, plan, Workload(prompts_per_step=prompts, group_size=group,
                                                              prompt_tokens=ids.shape[1],
@@ -155,24 +155,26 @@ def test_the_cache_is_the_size_the_memory_estimator_predicts(dtype):
 
 
 def test_the_graph_warm_up_leaves_no_trace():
-    """_capture runs the step twice before capturing; what the first replay then sees must be the
-    state of a fresh decoder (on the CPU the warm-up runs for real, which is what this checks)."""
+    """Before capturing a bucket's step the runner runs it twice for real and puts back what it changed;
+    the replays must then draw what eager steps draw. On the CPU a stand-in capture replays by running the
+    step, so the warm-up runs for real, which is what this checks (at every bucket: 4 slots each)."""
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     ids, mask, eos = ragged_prompts(model, tok)
     kw = dict(repeats=2, max_new_tokens=10, eos_ids=[eos], pad_id=0, draw=DRAWS["sampled"])
-    outputs = []
-    for warm in (False, True):
-        decoder = StaticDecoder(model, ids, mask, **kw)
-        with torch.no_grad(), static._grouped_attention(model):
-            if warm:
-                static._warm_up(decoder)
-            torch.manual_seed(5)
-            for _ in range(10):
-                decoder.fill_uniforms()
-                decoder.step()
-        outputs.append((decoder.ids.clone(), decoder.logprobs.clone()))
-    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    torch.manual_seed(5)
+    eager = decode_static(model, ids, mask, bucket_tokens=4, **kw)
+    capture = ReplayByRunning()
+    decoding = static.StaticDecoding(model, rows=6, prompt_tokens=ids.shape[1], max_new_tokens=10,
+                                     eos_ids=[eos], pad_id=0, draw=DRAWS["sampled"], mode="cuda_graph",
+                                     bucket_tokens=4, compile_step=False, capture=capture)
+    torch.manual_seed(5)
+    info = {}
+    graphs = decoding(ids, mask, info=info, **kw)
+    assert torch.equal(eager[0], graphs[0]) and torch.equal(eager[1], graphs[1])
+    assert info["path"] == "cuda_graph"
+    assert info["captures"] == len(decoding.steps) == len(capture.graphs) >= 2
+    assert sum(g.replays for g in capture.graphs) == 10  # every step a replay (rows run on to the 10th token)
 
 
 def test_the_compiled_step_draws_the_eager_tokens(monkeypatch):
@@ -186,7 +188,7 @@ def test_the_compiled_step_draws_the_eager_tokens(monkeypatch):
     torch.manual_seed(0)
     eager = decode_static(model, ids, mask, **kw)
     steps, fill = [], StaticDecoder.fill_uniforms
-    monkeypatch.setattr(StaticDecoder, "fill_uniforms", lambda self: steps.append(1) or fill(self))
+    monkeypatch.setattr(StaticDecoder, "fill_uniforms", lambda self, u: steps.append(1) or fill(self, u))
     for _ in range(2):  # the second call reuses the first call's graph
         torch.manual_seed(0)
         steps.clear()
@@ -262,7 +264,7 @@ def test_logprobs_match_a_full_forward():
 
 
 def test_only_a_step_that_writes_tensors_in_place_is_called_directly():
-    """_first_compiled_step hands back the graph for direct calls only when the step ran as one graph that
+    """first_compiled_call hands back the graph for direct calls only when the step ran as one graph that
     returned nothing (every write in place); a step that rebinds an attribute makes dynamo return the new
     tensor to store, so its later steps keep going through torch.compile. Nothing is recorded afterwards."""
 
@@ -278,11 +280,11 @@ def test_only_a_step_that_writes_tensors_in_place_is_called_directly():
             self.x = self.x + 1
 
     for kind, direct_expected in ((InPlace, True), (Rebinds, False)):
-        step = torch.compile(kind.step, dynamic=False, backend=static._recording_backend(None))
+        step = torch.compile(kind.step, dynamic=False, backend=compiled_step.recording_backend(None))
         state = kind()
-        direct = static._first_compiled_step(step, state)
+        direct = compiled_step.first_compiled_call(step, state)
         assert (direct is not None) is direct_expected
-        assert static._GRAPH_RUNS[0] is None
+        assert compiled_step._GRAPH_RUNS[0] is None
         for _ in range(2):
             direct() if direct is not None else step(state)
         assert torch.equal(state.x, torch.full((3,), 3.0))

@@ -70,3 +70,31 @@ def static_decode_case(hidden: int = 64):
     kw = dict(repeats=3, max_new_tokens=8, eos_ids=[1], pad_id=0, draw=TokenDraw(temperature=0.9))
     torch.manual_seed(0)
     return model, ids, mask, kw, decode_static(model, ids, mask, **kw)
+
+
+class ReplayByRunning:
+    """A stand-in for ``static.CudaGraphCapture`` on the CPU: ``capture(run)`` records nothing and returns a
+    graph whose ``replay()`` calls ``run`` (counting); ``graphs`` lists every graph captured."""
+
+    class Graph:
+        def __init__(self, run) -> None:
+            self.run, self.replays = run, 0
+
+        def replay(self) -> None:
+            self.replays += 1
+            self.run()
+
+    def __init__(self, device=None) -> None:
+        self.graphs: list[ReplayByRunning.Graph] = []
+
+    def side_stream(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def capture(self, run) -> ReplayByRunning.Graph:
+        self.graphs.append(self.Graph(run))
+        return self.graphs[-1]
+
+    def recover(self) -> None:
+        pass

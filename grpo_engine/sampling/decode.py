@@ -188,10 +188,14 @@ class TokenDraw:
     def needs_uniforms(self) -> bool:
         return not self.greedy
 
-    def __call__(self, logits: Tensor, u: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+    def __call__(self, logits: Tensor, u: Tensor | None, *, temperature: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor | None, Tensor]:
         """(token ids [n], their log-probs [n] or None, whether each row was a distribution [n])
-        from ``logits`` [n, V] and uniforms ``u`` [n, 2]."""
-        scores = logits.float() / self.temperature
+        from ``logits`` [n, V] and uniforms ``u`` [n, 2]. ``temperature``: a float32 tensor [] to divide by
+        instead of the draw's own (a buffer a captured step reads, refreshed at each call; on the CPU the
+        quotient is the same bit for bit, on CUDA a Python divisor is applied as its reciprocal, so the two
+        may differ by one float32 rounding)."""
+        scores = logits.float() / (self.temperature if temperature is None else temperature)
         logprobs = torch.log_softmax(scores, dim=-1) if self.logprobs else None
         if self.greedy:
             token, ok = scores.argmax(-1), torch.isfinite(scores).all(-1)

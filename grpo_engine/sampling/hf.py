@@ -7,10 +7,12 @@
 - A transformers causal LM runs one of our two decoding paths, with an exact two-level inverse-CDF
   draw: ``decoding="dynamic"`` (:mod:`grpo_engine.sampling.decode`: a row leaves the batch at its EOS),
   or ``"static"``, ``"compiled"``, ``"cuda_graph"`` (:mod:`grpo_engine.sampling.static`: a static KV cache
-  and fixed-shape steps, run as Python, through ``torch.compile`` or replayed as a CUDA graph). ``"auto"``
-  takes ``dynamic`` on the CPU (measured faster there) and ``cuda_graph`` on a GPU (by design: no GPU
-  run has measured it yet). Any
-  other model is sampled with its own ``generate()``.
+  and fixed-shape steps, run as Python, through ``torch.compile`` or replayed as CUDA graphs). ``"auto"``
+  takes ``dynamic`` on the CPU (measured faster there) and ``cuda_graph`` on a GPU. Under ``cuda_graph``
+  the sampler keeps one :class:`~grpo_engine.sampling.static.StaticDecoding` for the run: its buffers
+  sized for the most rows of a call and ``max_prompt_tokens + max_completion_tokens`` slots, the compiled
+  step captured once per attended-width bucket at the first call and replayed at every later one (the
+  KV cache then stays allocated between calls). Any other model is sampled with its own ``generate()``.
 - ``share_prompt``: one forward over the B distinct prompts fills a KV cache that is repeated G times.
 - Temperature first, then top-k / top-p. ``sampler_logprobs`` are the log-probs of the temperature-scaled
   distribution before top-k / top-p, the trainer's quantity (equal to it when top-k and top-p are off).
@@ -43,7 +45,7 @@ from grpo_engine.sampling.decode import (
 )
 from grpo_engine.sampling.merge import check_mergeable, merged_lora
 from grpo_engine.sampling.packed import packable_layers, packed_linears, packing_available
-from grpo_engine.sampling.static import decode_static, supports_static
+from grpo_engine.sampling.static import StaticDecoding, decode_static, supports_static
 from grpo_engine.types import Draws, Prompt, RolloutBatch
 
 __all__ = ["HFSampler", "eos_token_ids", "DECODING_PATHS", "resolve_decoding"]
@@ -175,6 +177,10 @@ class HFSampler:
         compiled_products: CPU, ``decoding="compiled"`` only: the compiled step computes the float32
             linear layers' products in its own loops instead of calling BLAS
             (:func:`~grpo_engine.sampling.compiled_products.compiled_products`).
+        keep_decoder: ``decoding="cuda_graph"``: keep the static decoder, its compiled step and CUDA graphs
+            from one call to the next (module docstring); False builds and captures one per call, and
+            frees its KV cache after it. Not kept under ``merge_lora``, whose merged weights are new
+            tensors at every call (a graph would read freed memory).
 
     Each ``sample()`` call seeds its token draws with ``draws.seed`` (by default one number taken
     from torch's global RNG, so ``torch.manual_seed`` fixes the samples), each step drawing for every
@@ -206,6 +212,7 @@ class HFSampler:
         decoding: str = "auto",
         pack_weights: bool = False,
         compiled_products: bool = False,
+        keep_decoder: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -230,6 +237,8 @@ class HFSampler:
         self.compiled_products = compiled_products
         if compiled_products:
             _check_reducible(model, decoding, pack_weights)
+        self.keep_decoder = keep_decoder and not merge_lora
+        self.decoding_kept: StaticDecoding | None = None  # cuda_graph: the run's decoder (keep_decoder)
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
         # the last call's decoding path ("path"), and a CUDA-graph capture error
         self.last_decoding: dict = {}
@@ -318,23 +327,15 @@ class HFSampler:
                   compiled_products(self.model) if self.compiled_products else contextlib.nullcontext()):
                 if is_decoder_lm(self.model):
                     shared = self.share_prompt and group_size > 1
-                    path = resolve_decoding(self.decoding, self.model, device)
-                    args = (self.model, ids if shared else prompt_ids, mask if shared else prompt_mask)
                     self.last_clock = PhaseClock(device)
                     self.last_clock.mark("start")
-                    kwargs = dict(repeats=group_size if shared else 1,
-                                  max_new_tokens=self.max_completion_tokens,
-                                  eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw(temperature),
-                                  clock=self.last_clock, row_offset=draws.first_prompt * group_size,
-                                  total_rows=draws.total(len(prompts)) * group_size)
-                    self.last_decoding = {"path": path, "capture_error": None}
                     with seeded_rng(draws.seed, device):  # the call's draws depend on it alone
-                        if path == "dynamic":
-                            completion_ids, logprobs = decode(*args, **kwargs)
-                        else:
-                            completion_ids, logprobs = decode_static(
-                                *args, **kwargs, mode="eager" if path == "static" else path,
-                                info=self.last_decoding)
+                        completion_ids, logprobs = self._decode(
+                            ids if shared else prompt_ids, mask if shared else prompt_mask,
+                            repeats=group_size if shared else 1, max_new_tokens=self.max_completion_tokens,
+                            eos_ids=self.eos_ids, pad_id=self.pad_id, draw=self.token_draw(temperature),
+                            clock=self.last_clock, row_offset=draws.first_prompt * group_size,
+                            total_rows=draws.total(len(prompts)) * group_size)
                 else:
                     completion_ids, logprobs = self._generate(prompt_ids, prompt_mask, temperature)
         finally:
@@ -350,6 +351,39 @@ class HFSampler:
             completion_ids=completion_ids, completion_mask=completion_mask, is_truncated=is_truncated,
             texts=texts, sampler_logprobs=logprobs, metrics={"prompts/truncated": float(self.last_truncated)},
         )
+
+    def _decode(self, ids: Tensor, mask: Tensor, **kwargs) -> tuple[Tensor, Tensor | None]:
+        """Completions of left-padded ``ids`` / ``mask`` on the decoding path in force (``decode``'s
+        keywords); ``last_decoding`` says which ran."""
+        path = resolve_decoding(self.decoding, self.model, ids.device)
+        self.last_decoding = {"path": path, "capture_error": None}
+        if path == "dynamic":
+            return decode(self.model, ids, mask, **kwargs)
+        if path == "cuda_graph" and self.keep_decoder:
+            decoding = self.kept_decoder(ids.shape[0] * kwargs["repeats"], ids.shape[1], kwargs["draw"])
+            return decoding(ids, mask, **kwargs, info=self.last_decoding)
+        return decode_static(self.model, ids, mask, **kwargs, mode="eager" if path == "static" else path,
+                             info=self.last_decoding)
+
+    def kept_decoder(self, rows: int, prompt_tokens: int, draw: TokenDraw) -> StaticDecoding:
+        """The run's CUDA-graph decoder, built at the first call (or when a call has more rows, a longer
+        prompt or other draw settings than it was built for, which captures again) for the most rows yet and
+        ``max_prompt_tokens + max_completion_tokens`` slots."""
+        kept = self.decoding_kept
+        settings = dict(max_new_tokens=self.max_completion_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                        draw=draw)
+        if kept is not None and kept.fits(rows=rows, prompt_tokens=prompt_tokens, **settings):
+            return kept
+        rows = max(rows, kept.decoder.rows if kept is not None else 0)
+        kept = self.decoding_kept = None  # its buffers and graphs freed before the new ones are allocated
+        self.decoding_kept = StaticDecoding(self.model, rows=rows,
+                                            prompt_tokens=max(prompt_tokens, self.max_prompt_tokens),
+                                            mode="cuda_graph", concat_lora=True, **settings)
+        return self.decoding_kept
+
+    def release_decoder(self) -> None:
+        """Frees the kept decoder (its KV cache and CUDA graphs); the next call builds and captures anew."""
+        self.decoding_kept = None
 
     def token_draw(self, temperature: float) -> TokenDraw:
         """The token draw of the sampler's settings at ``temperature``."""
