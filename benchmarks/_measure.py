@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -88,7 +89,8 @@ class StageClock:
     def wrap(self, name: str, fn: Callable, *, when: Callable[[], bool] = lambda: True,
              after: Callable | None = None) -> Callable:
         """``fn`` timed under ``name`` (only calls for which ``when()`` holds); ``after(result)`` runs
-        outside."""
+        outside. The wrapper keeps ``fn``'s attributes (torch's scheduler marks ``optimizer.step``)."""
+        @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if not when():
                 return fn(*args, **kwargs)

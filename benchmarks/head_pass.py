@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int,
                         help="timed runs per arm (default: 3 on a GPU, 1 on the CPU)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="the worker's time limit")
+    parser.add_argument("--deadline", type=float, help="epoch seconds by which the worker must have ended")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--log", type=Path, help="append the worker's stderr to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -402,8 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = [str(Path(__file__).resolve()), "--worker", "--cases", ",".join(names), "--arms",
                ",".join(arms), "--repetitions", str(repetitions)] + (["--smoke"] if args.smoke else [])
-    harness.say("head_pass", f"{len(names)} case(s), arms {', '.join(arms)} (limit {args.timeout_s:.0f} s)")
-    result, error = harness.run_worker("head_pass", command, args.timeout_s, harness.worker_env(), args.log)
+    timeout = harness.time_limit(args.timeout_s, args.deadline)
+    if timeout is None:
+        raise SystemExit("head_pass: under 10 s left before --deadline; nothing ran")
+    harness.say("head_pass", f"{len(names)} case(s), arms {', '.join(arms)} (limit {timeout:.0f} s)")
+    result, error = harness.run_worker("head_pass", command, timeout, harness.worker_env(), args.log)
     report = {**(result or {"device": "cpu" if args.smoke else "cuda", "cases": []}),
               "versions": {**harness.versions(), **_more_versions()}, "commit": harness.git_commit(),
               "errors": [error] if error else []}

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -349,6 +350,7 @@ def _time_ours(trainer, clock: StageClock, meter: MemoryMeter, seen: dict) -> No
     """Our trainer's stages timed at TRL's boundaries (module docstring): sampling, the no-grad log-prob
     passes, the gradient pass plus clipping (``loss_backward_s``), the optimizer step."""
     def entering(phase, fn):
+        @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             meter.phase(phase)
             out = fn(*args, **kwargs)
@@ -642,6 +644,22 @@ def _report(name: str, p: Preset, runs: dict[str, list[dict]], errors: list[str]
     }
 
 
+def worker_limit(p: Preset, engine: str) -> float:
+    """One worker's fixed time limit."""
+    return p.trl_timeout_s if engine == "trl" and p.trl_timeout_s else p.worker_timeout_s
+
+
+def stage_limit(p: Preset, engines: tuple[str, ...]) -> int:
+    """The seconds a run of ``engines`` needs at most: every worker's fixed limit, + 5 for this parent
+    (it imports no torch). The GPU run's time plan adds these up (benchmarks/gpu/run.sh).
+
+    Example:
+        >>> stage_limit(PRESETS["gpu-0.5b"], ("ours", "trl"))
+        105
+    """
+    return int(sum(worker_limit(p, e) for e in engines) * p.repetitions) + 5
+
+
 def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, budget_s: float | None = None,
             deadline: float | None = None, log: Path | None = None, preflight: Path | None = None) -> dict:
     """Runs the alternating workers and returns the report (also written to ``out`` after each worker).
@@ -659,8 +677,7 @@ def compare(name: str, p: Preset, engines: tuple[str, ...], out: Path | None, bu
     spec = json.dumps(dataclasses.asdict(p))
     # ours, trl, ours, trl, ...
     for rep, engine in harness.schedule(engines, range(p.repetitions), rotate=False):
-        fixed = p.trl_timeout_s if engine == "trl" and p.trl_timeout_s else p.worker_timeout_s
-        timeout = harness.time_limit(fixed, end)
+        timeout = harness.time_limit(worker_limit(p, engine), end)
         if timeout is None:
             errors.append(f"{engine} repetition {rep + 1}: skipped, the time budget is spent")
             continue
@@ -738,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", type=Path, help="append each worker's stderr to this file")
     parser.add_argument("--preflight", type=Path,
                         help="the GPU run's preflight.json: its measured ceilings for MFU and the roofline")
+    parser.add_argument("--stage-limit", action="store_true",
+                        help="print the most seconds the run takes (its workers' limits + 5) and exit")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -756,6 +775,9 @@ def main(argv: list[str] | None = None) -> int:
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     if not set(engines) <= {"ours", "trl"} or not engines:
         raise SystemExit(f"--engines {args.engines!r}: use ours, trl or ours,trl")
+    if args.stage_limit:
+        print(stage_limit(p, engines))
+        return 0
     report = compare(args.preset, p, engines, args.out, args.budget_s, args.deadline, args.log,
                      args.preflight)
     print(_summary(report), flush=True)

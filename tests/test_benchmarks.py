@@ -300,3 +300,90 @@ def test_the_training_ab_gradient_difference_is_relative_to_each_tensors_largest
         pytest.approx(max(0.01 / 4, 0.001 / 0.5))
     assert gradient_difference([torch.zeros(3)], [torch.zeros(3)]) == 0.0
     assert gradient_difference(a, [torch.tensor([float("nan"), -4.0]), a[1]]) == float("inf")
+
+
+# -- the timing boundaries of perf.py -------------------------------------------------------------
+
+
+def test_our_loss_backward_is_the_gradient_pass_and_clipping_only(tmp_path, monkeypatch):
+    """Work of the step outside the gradient pass (here the advantages, made 0.3 s slower) lands in
+    other_s, not in loss_backward_s: ours is timed at TRL's boundary, not as the rest of the step."""
+    import perf
+
+    from grpo_engine.advantages import GroupNormalized
+
+    real = GroupNormalized.__call__
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.3)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupNormalized, "__call__", slow)
+    spec = dataclasses.replace(perf.PRESETS["micro"], measured_steps=1)
+    raw = perf.run_ours(spec, str(tmp_path))
+    for row in raw["rows"]:
+        assert row["other_s"] >= 0.3 and row["loss_backward_s"] < 0.3, row
+        assert row["step_s"] == pytest.approx(sum(row[k] for k in perf.STAGES), rel=1e-9)
+
+
+# -- the head-pass comparison (benchmarks/head_pass.py) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def head_pass_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("head") / "head_pass.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "head_pass.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_every_head_pass_arm_agrees_with_the_reference_on_the_smoke_shapes(head_pass_report):
+    import head_pass
+
+    report, stdout = head_pass_report
+    assert report["ok"] and report["errors"] == [] and report["device"] == "cpu"
+    for case in report["cases"]:
+        expected = {a for a in head_pass.ARMS if head_pass.missing(a) is None}
+        assert set(case["arms"]) == expected and set(case["skipped"]) == set(head_pass.ARMS) - expected
+        assert {"ours-tiled", "ours-one", "plain"} <= expected
+        for arm, r in case["arms"].items():
+            assert r["ok"], (case["case"]["name"], arm, r["check"])
+            assert r["check"]["grad_hidden"] <= case["tolerance"]
+            assert (r["check"]["grad_weight"] is None) != case["case"]["train_head"]  # only a trained head's
+        assert 0 < case["times"]["built_s"] <= case["times"]["checked_s"] <= case["times"]["timed_s"]
+    float32 = report["cases"][0]
+    assert float32["tolerance"] == 1e-4
+    assert max(r["check"]["grad_weight"] for r in float32["arms"].values()) < 1e-5
+    assert "head pass smoke-float32 (48 tokens x 64 -> 1,000, trained head, float32)" in stdout
+    assert "all agree with the reference" in stdout
+
+
+def test_liger_and_trl_fused_heads_are_compared_when_installed(head_pass_report):
+    pytest.importorskip("liger_kernel.chunked_loss")
+    pytest.importorskip("trl.kernels")
+    report, _ = head_pass_report
+    for case in report["cases"]:
+        assert case["arms"]["liger"]["ok"] and case["arms"]["trl"]["ok"]
+    assert report["versions"]["liger-kernel"]
+
+
+def test_the_head_pass_check_catches_a_wrong_arm(monkeypatch):
+    """An arm whose log-probs are at temperature 2 (a plausible slip) fails the check; the others pass."""
+    import head_pass
+
+    real = head_pass.arm_function
+
+    def with_a_slip(arm, case, device):
+        if arm != "plain":
+            return real(arm, case, device)
+
+        def run(x):
+            logits = (x.hidden @ x.head.weight.T / 2).float()
+            lp = logits.log_softmax(-1).gather(-1, x.targets[:, None]).squeeze(-1)
+            return head_pass._loss(lp, x, case)
+        return run
+
+    monkeypatch.setattr(head_pass, "arm_function", with_a_slip)
+    result = head_pass.measure_case(head_pass.SMOKE["smoke-float32"], "cpu", 1, ("ours-one", "plain"))
+    assert result["arms"]["ours-one"]["ok"] and not result["arms"]["plain"]["ok"] and not result["ok"]

@@ -152,8 +152,8 @@ def test_first_seed_runs_the_later_seeds_in_the_alternating_order(tmp_path, monk
     """--first-seed 2 --seeds 2 runs seeds 2 and 3 only, each in the order a full run gives it."""
     calls = []
 
-    settings = {"prompts_per_step": 2, "group_size": 2, "max_completion_tokens": 16, "weights_dtype": "float32",
-                "compute_dtype": "float32",
+    settings = {"prompts_per_step": 2, "group_size": 2, "max_completion_tokens": 16,
+                "weights_dtype": "float32", "compute_dtype": "float32",
                 "gradient_checkpointing": False, "learning_rate": 1e-4, "lr_schedule": "linear",
                 "aggregation": "token", "advantage": "z-score, group std + 0.0001", "micro_batch_size": 4}
 

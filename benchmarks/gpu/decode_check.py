@@ -1,6 +1,6 @@
 """Checks and times the decoding paths on one device before the presets run.
 
-    python benchmarks/gpu/decode_check.py [--cpu] [--out decode_check.json]
+    python benchmarks/gpu/decode_check.py [--cpu] [--part agreement|speed|all] [--out decode_check.json]
 
 1. Agreement, in float32 on a Qwen2.5-0.5B-shaped random model (the smoke shape on the CPU): greedy
    completions of ragged prompts, with an EOS that rows reach at different steps, from the dynamic
@@ -11,8 +11,10 @@
    every linear layer; the smoke shape on the CPU): 32 rows (4 prompts x 8) decoding a fixed number
    of tokens on each path; tokens/s per path, and the path ``auto`` picks.
 
-Writes one JSON object (``--out``) after each part, prints a line per part, and exits 1 when the
-paths disagree or the capture failed.
+Writes one JSON object (``--out``) after each part, with the seconds from the launch to the end of
+the imports and of each part (``times``), prints a line per part, and exits 1 when the paths disagree
+or the capture failed. ``--part`` runs one part: the GPU run checks the agreement in its first run and
+times the paths in its second (benchmarks/gpu/run.sh).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+STARTED = time.time()  # before the heavy imports: the first mark of the timeline is their end
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -33,6 +37,10 @@ from _models import build_model, make_prompts, word_tokenizer  # noqa: E402
 from grpo_engine.sampling.decode import TokenDraw, decode  # noqa: E402
 from grpo_engine.sampling.hf import resolve_decoding  # noqa: E402
 from grpo_engine.sampling.static import decode_static  # noqa: E402
+
+
+def _since_start() -> float:
+    return round(time.time() - STARTED, 2)
 
 
 def _run(path: str, model, ids, mask, info: dict | None = None, **kw):
@@ -112,12 +120,34 @@ def _paths(device: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="the CPU smoke run (smoke shape, no CUDA graph)")
+    parser.add_argument("--part", choices=("agreement", "speed", "all"), default="all")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu else "cuda"
     paths = _paths(device)
-    result: dict = {"device": device}
-    result["agreement"] = agreement("smoke" if args.cpu else "qwen2.5-0.5b", device, paths)
+    result: dict = {"device": device, "times": {"imported_s": _since_start()}, "ok": True}
+    if args.part in ("agreement", "all"):
+        result["ok"] = _agreement_part(result, args.cpu, device, paths)
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=1))
+    if args.part in ("speed", "all"):
+        result["speed"] = speed("smoke" if args.cpu else "qwen2.5-1.5b", device, paths,
+                                16 if args.cpu else 128)
+        result["times"]["speed_s"] = _since_start()
+        s = result["speed"]
+        print("decode speed, 32 rows: "
+              + ", ".join(f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in s["paths"].items())
+              + f"; auto picks {s['auto']}", flush=True)
+        result["ok"] = result["ok"] and not any(v["capture_error"] for v in s["paths"].values())
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=1))
+    return 0 if result["ok"] else 1
+
+
+def _agreement_part(result: dict, cpu: bool, device: str, paths: list[str]) -> bool:
+    """Part 1 into ``result``; whether every path drew the same tokens and the graph was captured."""
+    result["agreement"] = agreement("smoke" if cpu else "qwen2.5-0.5b", device, paths)
+    result["times"]["agreement_s"] = _since_start()
     a = result["agreement"]
     print(f"decode check: same tokens {a['same_tokens']}, max log-prob difference "
           f"{max(a['max_logprob_diff'].values()):.2e} ({a['eos_rows']} of {a['rows']} rows end at the EOS)",
@@ -125,18 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if a["capture_error"]:
         print(f"decode check FAILED: the CUDA graph could not be captured ({a['capture_error']}); "
               "'cuda_graph' decoded eagerly", flush=True)
-    result["ok"] = all(a["same_tokens"].values()) and not a["capture_error"]
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1))
-    result["speed"] = speed("smoke" if args.cpu else "qwen2.5-1.5b", device, paths, 16 if args.cpu else 128)
-    s = result["speed"]
-    print("decode speed, 32 rows: "
-          + ", ".join(f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in s["paths"].items())
-          + f"; auto picks {s['auto']}", flush=True)
-    result["ok"] = result["ok"] and not any(v["capture_error"] for v in s["paths"].values())
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1))
-    return 0 if result["ok"] else 1
+    return all(a["same_tokens"].values()) and not a["capture_error"]
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@
 #   WHEEL_PYTHON=3.11 DEST=/tmp/w bash benchmarks/gpu/fetch_wheels.sh  # the same pins for another Python
 #                                                                         # (the rehearsal, rehearse.sh)
 #
-# The device image has torch 2.11 (CUDA 13.0), transformers 5.17, peft, accelerate, pyarrow, pandas,
-# xxhash, huggingface_hub 1.33, requests, sympy, typing-extensions and tensorboard; it lacks pydantic,
-# math-verify, datasets, dill, multiprocess, TRL and bitsandbytes. Each is pinned with the versions of
-# what it needs, so that `pip install --no-deps` of the set is complete. bitsandbytes is slimmed to its
+# The device image has torch 2.11 (CUDA 13.0), triton 3.6, transformers 5.17, peft, accelerate, pyarrow,
+# pandas, xxhash, huggingface_hub 1.33, requests, sympy, typing-extensions and tensorboard; it lacks
+# pydantic, math-verify, datasets, dill, multiprocess, TRL, bitsandbytes and Liger-Kernel (the head-pass
+# comparison's fused GRPO loss; pure Python, 0.9 MiB, it needs the image's triton). Each is pinned with
+# the versions of what it needs, so that `pip install --no-deps` of the set is complete. bitsandbytes is slimmed to its
 # CUDA 13 and CPU libraries when the set would pass 60 MiB; the script fails if it still does.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,6 +25,7 @@ WHEELS=(
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
   trl==1.16.0
   bitsandbytes==0.50.2
+  liger-kernel==0.8.5
 )
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl

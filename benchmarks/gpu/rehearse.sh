@@ -5,12 +5,15 @@
 #   bash benchmarks/gpu/rehearse.sh          # or: make rehearse (.ci/run runs it after make test)
 #
 # 1. a venv with the machine image's libraries at its versions: transformers 5.17.0, accelerate 1.15.0,
-#    huggingface_hub 1.33.0, tokenizers 0.23.2, safetensors 0.8.0, and numpy, pyarrow, pandas, xxhash,
-#    requests, sympy, pyyaml, tensorboard; cached in $REHEARSAL_VENV between runs;
+#    huggingface_hub 1.33.0, tokenizers 0.23.2, safetensors 0.8.0, triton 3.6.0 (Liger-Kernel's wheel
+#    requires it), and numpy, pyarrow, pandas, xxhash, requests, sympy, pyyaml, tensorboard; cached in
+#    $REHEARSAL_VENV between runs;
 # 2. the carried wheel set, the same pins as fetch_wheels.sh, installed exactly as run.sh installs it
 #    (pip --no-index --no-deps --target, from the wheel folder), then `pip check` over the whole set:
 #    a bound one wheel places on another, or on the image's packages, fails here, not on the GPU;
-# 3. run.sh --cpu-smoke *with* its install step, then the GPU-path unit tests, in that venv.
+# 3. run.sh --cpu-smoke *with* its install step (every stage of both parts: the presets, the head-pass
+#    comparison with the carried Liger wheel as its fifth arm, the decoding check), then the GPU-path unit
+#    tests, in that venv; the time plans of both parts (run.sh's dry run) must fit their budgets.
 #
 # What it cannot mirror: the machine has Python 3.12 and torch 2.11 (CUDA 13); the only torch this
 # machine can install offline is the 2.13 CPU wheel for Python 3.11, so the venv is Python 3.11 with
@@ -28,8 +31,8 @@ export OUT=${OUT:-$BASE/out}
 WHEELS=$BASE/wheels
 SITE=$BASE/site
 IMAGE=(torch==2.13.0 transformers==5.17.0 accelerate==1.15.0 huggingface_hub==1.33.0 tokenizers==0.23.2
-       safetensors==0.8.0 numpy pyarrow pandas xxhash requests sympy pyyaml tensorboard peft==0.21.2
-       pytest)
+       safetensors==0.8.0 triton==3.6.0 numpy pyarrow pandas xxhash requests sympy pyyaml tensorboard
+       peft==0.21.2 pytest)
 say() { echo "[rehearse] $*"; }
 mkdir -p "$BASE"
 if [[ ! -f $VENV/.image ]] || [[ "$(cat "$VENV/.image")" != "${IMAGE[*]}" ]]; then
@@ -52,8 +55,14 @@ fi
 unzip -l "$WHEELS"/bitsandbytes-*.whl | grep 'libbitsandbytes_cuda130' > /dev/null \
   || { say "FAILED: the bitsandbytes wheel has no CUDA 13 library"; exit 1; }
 rm -rf "$SITE"
+say "the time plans (run.sh's dry run)"
+for part in 1 2; do PERF_DRY_RUN=1 PYTHON=$PY bash benchmarks/gpu/run.sh --part $part | tail -n 1; done
 say "run.sh --cpu-smoke with its install step"
 PERF_INSTALL=1 WHEELS=$WHEELS SITE=$SITE PYTHON=$PY bash benchmarks/gpu/run.sh --cpu-smoke
+# the carried Liger wheel ran as the head pass's fifth arm and agreed with the reference
+$PY -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not r["cases"] or not all(
+    c["arms"].get("liger", {}).get("ok") for c in r["cases"]))' "$OUT/head_pass.json" \
+  || { say "FAILED: Liger's arm of the head-pass comparison did not run or disagreed ($OUT/head_pass.json)"; exit 1; }
 say "the GPU-path unit tests on transformers $(PYTHONPATH=$SITE $PY -c 'import transformers; print(transformers.__version__)')"
 PYTHONPATH="$SITE:$PWD" $PY -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_decode.py \
   tests/test_vocab_tiled.py tests/test_logprobs.py tests/test_mixed_precision.py tests/test_low_vram.py \
