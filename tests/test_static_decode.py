@@ -145,6 +145,8 @@ def test_the_cache_is_the_size_the_memory_estimator_predicts(dtype):
     prompts, group, completion = ids.shape[0], 4, 24
     decoder = StaticDecoder(model, rows=prompts * group, prompt_tokens=ids.shape[1],
                             max_new_tokens=completion, eos_ids=[1], pad_id=0, draw=DRAWS["greedy"])
+    assert decoder.cache.nbytes == 0  # allocated by the first call, in the dtypes the model writes
+    decoder.load(ids, mask, repeats=group, temperature=1.0)
     plan = MemoryPlan(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     predicted = estimate_memory(model.config, plan, Workload(prompts_per_step=prompts, group_size=group,
                                                              prompt_tokens=ids.shape[1],

@@ -105,6 +105,11 @@ def test_each_bucket_is_captured_once_per_run_and_nothing_empties_the_cache(monk
     assert all(info["path"] == "cuda_graph" and info["graph_step"] == "eager" for info in infos)
     assert sorted(decoding.steps) == [w for w in decoding.buckets if w in decoding.steps]
     assert all(w in decoding.buckets and w < decoding.decoder.width for w in decoding.steps)
+    whole = ReplayByRunning()  # without buckets: one graph for the run
+    decoding = kept(tiny_llama(len(tok)), whole, bucket_tokens=None)
+    for seed, call in enumerate(calls(tok)):
+        run(decoding, call, seed)
+    assert len(whole.graphs) == 1 and whole.graphs[0].replays == 12 + 12 + 8  # every step of the 3 calls
     assert emptied == []
 
 
@@ -153,6 +158,32 @@ def test_the_kept_decoder_follows_in_place_updates_and_captures_again_when_a_wei
         out = run(decoding, call, 2, info)
     assert_same(out, run(functools.partial(decode, model), call, 2))
     assert info["captures"] == first
+
+
+def test_the_cache_takes_the_dtypes_autocast_gives_and_a_call_without_autocast_needs_another_decoder():
+    """The trainer samples under its autocast (float32 weights, bfloat16 compute): the values come out in
+    bfloat16 and the keys, rotated with float32 cos / sin, in float32. The kept cache takes each layer's
+    dtypes from the first call's prefill (a one-token prompt: from one probing token), and the autocast
+    state is part of what a call must match."""
+    tok = char_tokenizer()
+    model = tiny_llama(len(tok))
+    call, one_token = calls(tok)[0], calls(tok)[2]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decoding, probed = kept(model, ReplayByRunning()), kept(model, ReplayByRunning())
+        run(probed, one_token, 0)
+        for seed in range(2):
+            out = run(decoding, call, seed)
+            fresh = run(functools.partial(decode_static, model, bucket_tokens=4), call, seed)
+            assert torch.equal(out[0], fresh[0]) and torch.equal(out[1], fresh[1])
+    for cache in (decoding.decoder.cache, probed.decoder.cache):
+        assert {k.dtype for k in cache.keys} == {torch.float32}
+        assert {v.dtype for v in cache.values} == {torch.bfloat16}
+    settings = dict(rows=6, prompt_tokens=18, max_new_tokens=12, eos_ids=EOS, pad_id=0, draw=TokenDraw())
+    assert not decoding.fits(**settings)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert decoding.fits(**settings)
+    with pytest.raises(ValueError, match="does not fit this static decoder"):
+        run(decoding, call, 0)
 
 
 def test_a_failed_capture_falls_back_to_eager_steps_once_for_the_run():

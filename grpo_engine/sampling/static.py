@@ -132,6 +132,12 @@ def _draw_key(draw: TokenDraw) -> tuple:
     return draw.greedy, draw.logprobs, warpers
 
 
+def _autocast(device: torch.device) -> tuple[bool, torch.dtype | None]:
+    """Whether autocast is on for ``device``, and its dtype: a step's casts and the cache's dtypes follow."""
+    on = torch.is_autocast_enabled(device.type)
+    return on, torch.get_autocast_dtype(device.type) if on else None
+
+
 def _bucket_step(decoder: StaticDecoder, width: int) -> None:
     """The step at attended ``width``: the function the CUDA-graph runner compiles (its own dynamo cache)."""
     decoder.step(width)
@@ -174,7 +180,7 @@ class StaticDecoding:
         if capture is None and mode == "cuda_graph":
             capture = CudaGraphCapture(self.device)
         self.capture = capture
-        self.settings = (tuple(eos_ids), pad_id, _draw_key(draw))
+        self.settings = (tuple(eos_ids), pad_id, _draw_key(draw), _autocast(self.device))
         self.decoder = StaticDecoder(model, rows=rows, prompt_tokens=prompt_tokens,
                                      max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, draw=draw)
         # the last token fed sits at slot P + C - 2, so no step reads the last slot: every bucket is a strict
@@ -196,7 +202,7 @@ class StaticDecoding:
         """Whether a call of these shapes and settings can run on this decoder."""
         d = self.decoder
         return (rows <= d.rows and prompt_tokens <= d.prompt_tokens and max_new_tokens <= d.max_new_tokens
-                and (tuple(eos_ids), pad_id, _draw_key(draw)) == self.settings)
+                and (tuple(eos_ids), pad_id, _draw_key(draw), _autocast(self.device)) == self.settings)
 
     @torch.no_grad()
     def __call__(self, ids: Tensor, mask: Tensor, *, repeats: int, max_new_tokens: int,
@@ -207,8 +213,9 @@ class StaticDecoding:
         if not self.fits(rows=rows, prompt_tokens=ids.shape[1], max_new_tokens=max_new_tokens,
                          eos_ids=eos_ids, pad_id=pad_id, draw=draw):
             raise ValueError(f"a call of {rows} rows x {ids.shape[1]} + {max_new_tokens} tokens, or with "
-                             "other settings (EOS, padding, greedy, log-probs, top-k / top-p), does not fit "
-                             "this static decoder; build another (StaticDecoding.fits says which fit)")
+                             "other settings (EOS, padding, greedy, log-probs, top-k / top-p, autocast), "
+                             "does not fit this static decoder; build another (StaticDecoding.fits says "
+                             "which fit)")
         self._follow_model()
         if self.lora is not None:
             self.lora.refresh()  # the adapters' new values, into the copy the steps read

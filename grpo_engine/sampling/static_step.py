@@ -109,11 +109,11 @@ class StaticKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
-    def allocate(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        """Allocates every layer now (else the first write does), zeroed."""
-        shape = (self.rows, kv_heads, self.width, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.slot.device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.slot.device) for _ in range(layers)]
+    def allocate_like(self, probe: StaticKVCache) -> None:
+        """Allocates every layer now, zeroed, with the heads, head size and dtypes of ``probe``'s layers (a
+        cache a forward wrote)."""
+        self.keys = [k.new_zeros((self.rows, k.shape[1], self.width, k.shape[3])) for k in probe.keys]
+        self.values = [v.new_zeros((self.rows, v.shape[1], self.width, v.shape[3])) for v in probe.values]
 
     @property
     def nbytes(self) -> int:
@@ -151,12 +151,7 @@ class StaticDecoder:
         # the prefill's mask: additive in the parameters' dtype for eager attention
         self.dtype = next(model.parameters()).dtype if self.eager_attention else torch.bool
         device = next(model.parameters()).device
-        config = model.config
-        heads = config.num_attention_heads
-        self.cache = StaticKVCache(rows, self.width, device)
-        self.cache.allocate(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
-                            getattr(config, "head_dim", None) or config.hidden_size // heads,
-                            model.get_input_embeddings().weight.dtype)
+        self.cache = StaticKVCache(rows, self.width, device)  # allocated by the first load()
         # the mask, in the form grouped_attention takes
         self.attention = torch.zeros(rows, 1, 1, self.width, dtype=torch.bool, device=device)
         self.token = torch.full((rows,), pad_id, dtype=torch.long, device=device)  # fed at the next step
@@ -186,20 +181,22 @@ class StaticDecoder:
         repeated ``repeats`` times (rows ``b*repeats ..`` belong to prompt b), sampled at ``temperature``;
         prefills each distinct prompt's head once (outside the grouped attention: the model's own) and
         returns the call's rows B*repeats. Slots past the prompt keep an earlier call's values, masked off
-        until a step writes them."""
+        until a step writes them. The first call allocates the cache, each layer's keys and values in the
+        dtypes the model wrote them (under autocast the keys, rotated by a float32 RoPE, may be float32 and
+        the values bfloat16)."""
         b, p = ids.shape
         n = b * repeats
         if n > self.rows or p > self.prompt_tokens:
             raise ValueError(f"a call of {n} rows x {p} prompt tokens does not fit a static decoder of "
                              f"{self.rows} rows x {self.prompt_tokens} prompt tokens; build a larger one")
         self.attention.zero_()
-        if p > 1:
-            head, head_mask = StaticKVCache(b, p - 1, ids.device), mask[:, :-1]
-            allowed = attention_mask(prompt_attention(head_mask), self.eager_attention, self.dtype)
-            self.forward(ids[:, :-1], allowed, position_ids_from_mask(head_mask), head, logits_to_keep=1)
+        head = self._prefill(ids, mask) if p > 1 else None
+        if not self.cache.keys:  # the first call: the layers' dtypes are those the model wrote
+            self.cache.allocate_like(head if head is not None else self._probe())
+        if head is not None:
             for whole, part in zip(self.cache.keys + self.cache.values, head.keys + head.values):
                 whole[:n].view(b, repeats, *whole.shape[1:])[:, :, :, :p - 1].copy_(part[:, None])
-            self.attention[:n, 0, 0, :p - 1] = head_mask.repeat_interleave(repeats, 0)
+            self.attention[:n, 0, 0, :p - 1] = mask[:, :-1].repeat_interleave(repeats, 0)
         self.cache.slot.fill_(p - 1)
         self.token.fill_(self.pad_id)
         self.token[:n] = ids[:, -1].repeat_interleave(repeats, 0)
@@ -214,6 +211,22 @@ class StaticDecoder:
             self.logprobs.zero_()
         self.temperature.fill_(temperature)
         return n
+
+    def _prefill(self, ids: Tensor, mask: Tensor) -> StaticKVCache:
+        """The keys and values of every prompt token but the last, one row per distinct prompt."""
+        head, head_mask = StaticKVCache(ids.shape[0], ids.shape[1] - 1, ids.device), mask[:, :-1]
+        allowed = attention_mask(prompt_attention(head_mask), self.eager_attention, self.dtype)
+        self.forward(ids[:, :-1], allowed, position_ids_from_mask(head_mask), head, logits_to_keep=1)
+        return head
+
+    def _probe(self) -> StaticKVCache:
+        """A cache one padding token wrote (one-token prompts: no prefill tells the layers' dtypes)."""
+        device = self.token.device
+        probe, one = StaticKVCache(1, 1, device), torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+        self.forward(torch.full((1, 1), self.pad_id, device=device),
+                     attention_mask(one, self.eager_attention, self.dtype),
+                     torch.zeros(1, 1, dtype=torch.long, device=device), probe, logits_to_keep=1)
+        return probe
 
     def fill_uniforms(self, uniforms: Tensor) -> None:
         """This step's uniforms [n, 2] for the call's first n rows."""
