@@ -263,12 +263,11 @@ def test_the_compiled_step_in_the_graph_compiles_twice_per_run_and_follows_in_pl
 def test_the_sampler_keeps_one_decoder_for_the_run(monkeypatch):
     monkeypatch.setattr(hf, "resolve_decoding", lambda decoding, model, device: decoding)
     monkeypatch.setattr(static, "CudaGraphCapture", ReplayByRunning)
-    monkeypatch.setattr(hf, "StaticDecoding", functools.partial(StaticDecoding, compile_step=False))
     tok = char_tokenizer()
     model = tiny_llama(len(tok))
     template = PlainTemplate("Q:{question}\nA:")
     graphs = HFSampler(model, tok, template=template, max_prompt_tokens=24, max_completion_tokens=10,
-                       temperature=0.8, decoding="cuda_graph")
+                       temperature=0.8, decoding="cuda_graph", compile_step=False)
     static_path = HFSampler(model, tok, template=template, max_completion_tokens=10, temperature=0.8,
                             decoding="static")
     batches = [([Prompt("12+30", "42"), Prompt("7*8", "56")], 4), ([Prompt("9", "9")], 3),
@@ -282,7 +281,7 @@ def test_the_sampler_keeps_one_decoder_for_the_run(monkeypatch):
         assert torch.equal(ours.completion_ids, expected.completion_ids) and ours.texts == expected.texts
         torch.testing.assert_close(ours.sampler_logprobs, expected.sampler_logprobs, rtol=0, atol=1e-5)
         decoders.append(graphs.decoding_kept)
-        assert graphs.last_decoding["path"] == "cuda_graph"
+        assert graphs.last_decoding["path"] == "cuda_graph" and graphs.last_decoding["graph_step"] == "eager"
     assert decoders[0] is decoders[1] is decoders[2]
     assert decoders[0].decoder.rows == 8 and decoders[0].decoder.width == 24 + 10
     graphs.sample([Prompt("1", "1")] * 3, group_size=4)  # more rows than any call before: a larger decoder

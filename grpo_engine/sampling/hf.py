@@ -181,6 +181,8 @@ class HFSampler:
             from one call to the next (module docstring); False builds and captures one per call, and
             frees its KV cache after it. Not kept under ``merge_lora``, whose merged weights are new
             tensors at every call (a graph would read freed memory).
+        compile_step: ``decoding="cuda_graph"`` with ``keep_decoder``: capture the decoding step compiled by
+            ``torch.compile`` (two compiles at the first call, tens of seconds on a GPU), else the eager step.
 
     Each ``sample()`` call seeds its token draws with ``draws.seed`` (by default one number taken
     from torch's global RNG, so ``torch.manual_seed`` fixes the samples), each step drawing for every
@@ -213,6 +215,7 @@ class HFSampler:
         pack_weights: bool = False,
         compiled_products: bool = False,
         keep_decoder: bool = True,
+        compile_step: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -237,7 +240,7 @@ class HFSampler:
         self.compiled_products = compiled_products
         if compiled_products:
             _check_reducible(model, decoding, pack_weights)
-        self.keep_decoder = keep_decoder and not merge_lora
+        self.keep_decoder, self.compile_step = keep_decoder and not merge_lora, compile_step
         self.decoding_kept: StaticDecoding | None = None  # cuda_graph: the run's decoder (keep_decoder)
         self.last_clock: PhaseClock | None = None  # the last sample() call's prefill / decode marks
         # the last call's decoding path ("path"), and a CUDA-graph capture error
@@ -378,7 +381,8 @@ class HFSampler:
         kept = self.decoding_kept = None  # its buffers and graphs freed before the new ones are allocated
         self.decoding_kept = StaticDecoding(self.model, rows=rows,
                                             prompt_tokens=max(prompt_tokens, self.max_prompt_tokens),
-                                            mode="cuda_graph", concat_lora=True, **settings)
+                                            mode="cuda_graph", compile_step=self.compile_step,
+                                            concat_lora=True, **settings)
         return self.decoding_kept
 
     def release_decoder(self) -> None:
