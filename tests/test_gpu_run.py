@@ -328,3 +328,63 @@ def test_the_determinism_check_finds_equal_runs_on_the_cpu(tmp_path):
     pair = determinism.compare(a, b)
     assert pair["first_differing_step"] == 5 and not pair["same_weights"]
     assert abs(pair["max_weight_diff"] - 0.5) < 1e-3
+
+
+# -- results as data: benchmarks/results/ and the page's generated table ----------------------------------
+
+
+def test_the_gpu_table_on_the_page_is_generated_from_the_committed_results():
+    import table
+
+    assert table.page_block() == table.render(), "run: python benchmarks/gpu/table.py"
+
+
+def test_every_committed_run_says_what_it_is_and_where_its_figures_came_from():
+    import table
+
+    runs = sorted(table.RESULTS.glob("*/figures.json"))
+    assert runs, "benchmarks/results/ holds no run"
+    for path in runs:
+        f = json.loads(path.read_text())
+        assert path.parent.name == f"{f['date']}-{table.slug(f['device'])}"
+        assert f["source"] and f["versions"]["torch"] and set(f["presets"]) <= set(table.PRESETS)
+        if not f["source"].startswith("benchmarks/gpu/run.sh"):  # not the script's own files: none kept
+            assert not list(path.parent.glob("part-*"))
+    first = json.loads((table.RESULTS / "2026-12-04-h200" / "figures.json").read_text())
+    assert first["source"] == "transcribed from docs/benchmarks.md; raw output not kept"
+    ours, trl = first["presets"]["gpu-0.5b"]["ours"], first["presets"]["gpu-0.5b"]["trl"]
+    assert round(ours["loss_backward_s"] / trl["loss_backward_s"], 1) == 3.3  # the figure the issue quotes
+
+
+def test_the_page_holds_todays_results_in_250_lines_with_room_for_a_complete_run():
+    import table
+
+    page, block = (ROOT / "docs" / "benchmarks.md").read_text(), table.page_block()
+    assert len(page.splitlines()) <= 250
+    assert len(page.splitlines()) - len(block.splitlines()) + 28 <= 250  # a complete run's block: <= 28 lines
+
+
+def test_a_kept_run_gives_its_figures_and_its_block(smoke, tmp_path):
+    """table.py --keep on the smoke run's files: they are copied, figures.json holds each figure as the
+    run's JSON gave it, and the block renders every part in at most 28 lines (with an earlier run)."""
+    import table
+
+    out, _ = smoke
+    folder = table.keep([out], "2026-12-07", root=tmp_path)
+    assert folder.name == "2026-12-07-cpu" and (folder / "part-1" / "head_pass.json").exists()
+    assert not (folder / "part-1" / "run.log").exists()
+    f = json.loads((folder / "figures.json").read_text())
+    report = json.loads((out / "gpu-1.5b.json").read_text())
+    assert f["presets"]["gpu-1.5b"]["ours"]["step_s"] == report["ours"]["step_s"]
+    assert f["presets"]["gpu-1.5b"]["trl"]["loss_backward_s"] == report["trl"]["stages"]["loss_backward_s"]
+    assert f["versions"]["torch"] == report["versions"]["torch"] and f["wall_s"] > 0
+    assert {c["name"] for c in f["head_pass"]["cases"]} == {"smoke-float32", "smoke-bfloat16"}
+    assert f["decode_check"]["same_tokens"] is True and f["decode_check"]["speed"]["rows"] == 32
+    (tmp_path / "2026-12-04-h200").mkdir()
+    (tmp_path / "2026-12-04-h200" / "figures.json").write_text(
+        (table.RESULTS / "2026-12-04-h200" / "figures.json").read_text())
+    block = table.render(tmp_path)
+    assert block.startswith(table.BEGIN) and block.endswith(table.END) and len(block.splitlines()) <= 28
+    assert "**2026-12-07, " in block and "| gpu-1.5b | ours / TRL |" in block
+    assert "Earlier runs: [2026-12-04-h200]" in block
+    assert "| smoke-float32: 48 tokens x 64, trained head |" in block
