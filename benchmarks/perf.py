@@ -148,13 +148,16 @@ PRESETS: dict[str, Preset] = {
     # The GPU presets (benchmarks/gpu/run.sh): ours 1 warm-up + 2 measured steps, TRL 1 short warm-up
     # (16 tokens) + 1 measured, each worker under a fixed limit (their sum is the run's time plan,
     # tests/test_gpu_run.py); a worker prints its result after each measured step, so one cut at its limit
-    # keeps what it measured.
+    # keeps what it measured. The limits, from the first run (2026-12-04, an H200): our 1.5B worker ended
+    # its third step (12.7 s each) within 60 s; TRL's 0.5B worker ended two steps (13.6 s) but not three in
+    # 80 s, so its imports, build and first-step overheads (Triton's JIT) took 39-53 s; TRL's 1.5B worker
+    # ended no second step in 100 s.
     # Full fine-tuning in float32 master weights under bfloat16 autocast (TRL: bf16=True on a float32 model)
     "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="float32", compute_dtype="bfloat16",
                        prompts_per_step=8, group_size=8, prompt_tokens=128, completion_tokens=512,
                        micro_batch_size=16, learning_rate=1e-6, warmup_steps=1, measured_steps=2,
                        trl_measured_steps=1, trl_warmup_completion_tokens=16, repetitions=1,
-                       worker_timeout_s=45, trl_timeout_s=55, decoding="cuda_graph"),
+                       worker_timeout_s=45, trl_timeout_s=70, decoding="cuda_graph"),
     # LoRA r16 on Qwen2.5-1.5B, 4 x 8 x 1024, under the plan `grpo-engine plan --model qwen2.5-1.5b
     # --budget-gib 8` picks (gradient checkpointing), the same plan for TRL: the 8 GiB goal and the
     # memory ratio are judged here
@@ -162,14 +165,14 @@ PRESETS: dict[str, Preset] = {
                        prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
                        lora_alpha=32.0, gradient_checkpointing=True, learning_rate=1e-5, warmup_steps=1,
                        measured_steps=2, trl_measured_steps=1, trl_warmup_completion_tokens=16, repetitions=1,
-                       worker_timeout_s=65, trl_timeout_s=85, decoding="cuda_graph"),
+                       worker_timeout_s=65, trl_timeout_s=100, decoding="cuda_graph"),
     # a 7B shape under QLoRA (ours only: --engines ours), the second run (run.sh --part 2): the 12 GiB goal
     # is its peak, which one measured step shows
     "gpu-7b-qlora": Preset("qwen2.5-7b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                            prompt_tokens=128, completion_tokens=1024, micro_batch_size=4, lora_r=16,
                            lora_alpha=32.0, gradient_checkpointing=True, quantization="nf4",
                            learning_rate=1e-5, warmup_steps=1, measured_steps=1, repetitions=1,
-                           worker_timeout_s=140, decoding="cuda_graph"),
+                           worker_timeout_s=135, decoding="cuda_graph"),
 }
 
 
@@ -655,7 +658,7 @@ def stage_limit(p: Preset, engines: tuple[str, ...]) -> int:
 
     Example:
         >>> stage_limit(PRESETS["gpu-0.5b"], ("ours", "trl"))
-        105
+        120
     """
     return int(sum(worker_limit(p, e) for e in engines) * p.repetitions) + 5
 
