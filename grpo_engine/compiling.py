@@ -42,6 +42,8 @@ from torch import Tensor, nn
 from grpo_engine.ops.attention import (
     attention_implementation,
     attention_mask,
+    completion_attention,
+    decoder_masks,
     position_ids_from_mask,
     prompt_attention,
     supports_static,
@@ -81,25 +83,22 @@ def _attention_function(module: nn.Module, name: str):
 def compiled_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, fed_ids: Tensor,
                     fed_mask: Tensor, *, distinct: tuple[Tensor, Tensor] | None) -> Tensor:
     """[n, C, H] hidden states predicting each completion token, given its first C - 1 tokens
-    ``fed_ids`` / ``fed_mask``, through compiled layers: with ``distinct`` (:func:`grpo_engine.logprobs`
-    ``_distinct_rows``: fewer distinct prompts than rows) and a model
-    :func:`grpo_engine.sampling.static.supports_static` accepts, the prompt once per distinct prompt
-    (module docstring); else the whole [prompt, fed tokens] of each row."""
+    ``fed_ids`` / ``fed_mask``, through compiled layers: with ``distinct`` (``logprobs.TokenIndex``: fewer
+    distinct prompts than rows) and a model :func:`grpo_engine.ops.attention.supports_static` accepts, the
+    prompt once per distinct prompt (module docstring); else the whole [prompt, fed tokens] of each row."""
     decoder = model.get_decoder()
     n, width = prompt_ids.shape
     if distinct is None or supports_static(model) is not None:
-        mask = torch.cat([prompt_mask, fed_mask], dim=1).long()  # [n, P + C - 1]
+        mask = torch.cat([prompt_mask, fed_mask], dim=1)  # [n, P + C - 1]
         with compiled_layers(model):
-            out = decoder(input_ids=torch.cat([prompt_ids, fed_ids], dim=1), attention_mask=mask,
-                          position_ids=position_ids_from_mask(mask), use_cache=False)
+            out = decoder(input_ids=torch.cat([prompt_ids, fed_ids], dim=1),
+                          **decoder_masks(model, mask, prompt_attention(mask)), use_cache=False)
         return out.last_hidden_state[:, width - 1:]  # position t-1 predicts completion token t
     first, inverse = distinct
-    device, dtype = prompt_ids.device, model.get_input_embeddings().weight.dtype  # (a 4-bit base: not its)
+    dtype = model.get_input_embeddings().weight.dtype  # (a 4-bit base: not its)
     head_mask = prompt_mask[first]  # [u, P]
     length = fed_ids.shape[1]
-    allowed = torch.cat([prompt_mask[:, None, None, :].expand(n, 1, length, width),
-                         torch.ones(length, length, dtype=torch.bool, device=device).tril()
-                         & fed_mask[:, None, None, :]], dim=-1)  # [n, 1, C - 1, P + C - 1]
+    allowed = completion_attention(prompt_mask, fed_mask)  # [n, 1, C - 1, P + C - 1]
     record: list[tuple[Tensor, Tensor]] = []
     with attention_implementation(decoder.config, SHARED_ATTENTION, shared_prompt_attention) as before:
         base = before or "eager"

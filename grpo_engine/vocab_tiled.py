@@ -42,7 +42,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-__all__ = ["gradients_into_grad", "tiled_linear_logprobs"]
+__all__ = ["gradients_into_grad", "tiled_linear_logprobs", "cast_head_weight"]
 
 _INTO_GRAD = False  # read by the forward pass (the trainer's thread), kept on the autograd context
 
@@ -102,9 +102,8 @@ class _EmbeddingIntoGrad(torch.autograd.Function):
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
         ids, rows = ids.reshape(-1), grad_out.reshape(-1, weight.shape[1])
-        if ctx.padding_idx is not None:
-            keep = ids != ctx.padding_idx
-            ids, rows = ids[keep], rows[keep]
+        if ctx.padding_idx is not None:  # padding_idx's rows add zeros (no boolean index: no host read)
+            rows = torch.where((ids != ctx.padding_idx)[:, None], rows, 0.0)
         weight.grad.index_add_(0, ids, rows.to(weight.grad.dtype))
         return None, None, None
 
@@ -122,6 +121,14 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return weight.dtype
+
+
+def _in_tile(targets: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """(each target's column in the tile [start, stop), clamped into it; whether it lies there) [k]: a gather
+    or scatter on the clamped column, kept or dropped by the flag, reads nothing back to the host (a boolean
+    index would: its result's size depends on the data)."""
+    local = targets - start
+    return local.clamp(0, stop - start - 1), (local >= 0) & (local < stop - start)
 
 
 def _tile_logits(hidden: Tensor, weight_tile: Tensor, bias: Tensor | None, start: int, stop: int,
@@ -172,7 +179,8 @@ def _compiled(name: str, device_type: str):
 class _TiledLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                tile: int, compiled: bool, keep_logits: bool) -> tuple[Tensor, Tensor]:
+                tile: int, compiled: bool, keep_logits: bool,
+                cast_weight: Tensor | None) -> tuple[Tensor, Tensor]:
         dtype = _compute_dtype(hidden, weight)
         statistics = _compiled("statistics", hidden.device.type) if compiled else _tile_statistics
         k = hidden.shape[0]
@@ -180,20 +188,21 @@ class _TiledLinearLogprobs(torch.autograd.Function):
         total = torch.zeros(k, device=hidden.device)  # sum exp(z - max)
         weighted = torch.zeros(k, device=hidden.device)  # sum exp(z - max) * z
         target_logit = torch.zeros(k, device=hidden.device)
-        h = hidden.to(dtype)  # cast once per pass, each weight tile once per tile
+        h = hidden.to(dtype)  # cast once per pass; the weight once per micro-batch (``cast_weight``)
+        w = cast_weight if cast_weight is not None else weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):  # the dtype is explicit
             for start in range(0, weight.shape[0], tile):
                 stop = min(start + tile, weight.shape[0])
-                z = _tile_logits(h, weight[start:stop].to(dtype), bias, start, stop, temperature)
-                inside = (targets >= start) & (targets < stop)
-                target_logit[inside] = z[inside, targets[inside] - start]
+                z = _tile_logits(h, w[start:stop], bias, start, stop, temperature)
+                local, inside = _in_tile(targets, start, stop)
+                target_logit = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), target_logit)
                 running_max, total, weighted = statistics(z, running_max, total, weighted)
         log_norm = running_max + torch.log(total)
         # one tile: its logits z, untouched by the statistics, are the ones the backward pass would recompute
         keep = keep_logits and weight.shape[0] <= tile and any(ctx.needs_input_grad[:3])
         ctx.logits = z if keep else None
         ctx.logits_version = z._version if keep else None
-        ctx.save_for_backward(hidden, weight, bias, targets, log_norm)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_norm, cast_weight)
         ctx.temperature, ctx.tile, ctx.dtype, ctx.compiled = temperature, tile, dtype, compiled
         ctx.into_grad = _writes_own_grad(weight)
         entropy = log_norm - weighted / total
@@ -202,7 +211,7 @@ class _TiledLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor | None):
-        hidden, weight, bias, targets, log_norm = ctx.saved_tensors
+        hidden, weight, bias, targets, log_norm, cast_weight = ctx.saved_tensors
         dtype = ctx.dtype
         one_tile = weight.shape[0] <= ctx.tile  # the sums below are then single products: no zeroed buffers
         grad_hidden = (None if one_tile else
@@ -216,19 +225,19 @@ class _TiledLinearLogprobs(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if bias is not None and ctx.needs_input_grad[2] else None
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
         softmax_grad = _compiled("softmax_grad", hidden.device.type) if ctx.compiled else _tile_softmax_grad
         h = hidden.to(dtype)
+        cast = cast_weight if cast_weight is not None else weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, weight.shape[0], ctx.tile):
                 stop = min(start + ctx.tile, weight.shape[0])
-                w = weight[start:stop].to(dtype)
+                w = cast[start:stop]
                 z, ctx.logits = ctx.logits, None  # the kept logits serve one backward pass
                 if z is None or z._version != ctx.logits_version:
                     z = _tile_logits(h, w, bias, start, stop, ctx.temperature)
                 g = softmax_grad(z, log_norm, grad_logprobs)
-                inside = (targets >= start) & (targets < stop)
-                g[rows[inside], targets[inside] - start] += grad_logprobs[inside]
+                local, inside = _in_tile(targets, start, stop)  # + upstream at each row's target in the tile
+                g.scatter_add_(1, local[:, None], torch.where(inside, grad_logprobs, 0.0)[:, None])
                 if ctx.temperature != 1.0:
                     g.div_(ctx.temperature)  # [k, tile], d loss / d (h W^T + b), float32
                 if grad_bias is not None:
@@ -249,12 +258,12 @@ class _TiledLinearLogprobs(torch.autograd.Function):
                     grad_weight = (g.T @ h).float()
         return (grad_hidden.to(hidden.dtype),
                 grad_weight.to(weight.dtype) if grad_weight is not None and not ctx.into_grad else None,
-                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None)
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, *[None] * 6)
 
 
 def tiled_linear_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, *, temperature: float = 1.0,
-                          vocab_tile: int = 32768, compiled: bool = False, keep_logits: bool = False
-                          ) -> tuple[Tensor, Tensor]:
+                          vocab_tile: int = 32768, compiled: bool = False, keep_logits: bool = False,
+                          cast_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(logprobs [k], entropy [k])`` of ``targets`` under ``head(hidden) / temperature``.
 
     Args:
@@ -268,6 +277,9 @@ def tiled_linear_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor
         keep_logits: when the vocabulary fits in one tile, keep the [k, V] logits from the forward
             pass to the backward pass instead of recomputing them (module docstring). For a caller
             whose backward pass follows before any other logits are made: it holds them meanwhile.
+        cast_weight: the head's weight already in the compute dtype, detached (:func:`cast_head_weight`),
+            read by the forward and backward passes of every chunk that gets it instead of casting the
+            weight again; gradients still go to ``head.weight``.
 
     Returns:
         Float32 log-probs (differentiable w.r.t. ``hidden`` and the head) and the token entropy
@@ -282,4 +294,13 @@ def tiled_linear_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor
     if vocab_tile < 1:
         raise ValueError(f"vocab_tile={vocab_tile} must be >= 1; use e.g. 32768")
     return _TiledLinearLogprobs.apply(hidden, head.weight, head.bias, targets, temperature, vocab_tile,
-                                      compiled, keep_logits)
+                                      compiled, keep_logits, cast_weight)
+
+
+def cast_head_weight(hidden: Tensor, head: torch.nn.Linear) -> Tensor | None:
+    """``head``'s weight in the compute dtype of a pass over ``hidden`` (autocast's, else the weight's),
+    detached, for every chunk of one micro-batch (``tiled_linear_logprobs(cast_weight=...)``); None when the
+    weight is already in it (nothing to cast). One [V, H] copy in the compute dtype while the micro-batch
+    runs, where a cast per chunk and per pass would make one each time."""
+    dtype = _compute_dtype(hidden, head.weight)
+    return None if head.weight.dtype == dtype else head.weight.detach().to(dtype)

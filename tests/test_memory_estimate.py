@@ -15,6 +15,7 @@ from grpo_engine.memory.estimate import (
     ModelShape,
     Workload,
     estimate_memory,
+    logprob_granularity,
 )
 
 LLAMA = LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
@@ -117,10 +118,11 @@ def saved_activation_bytes(model, workload: Workload, plan: MemoryPlan) -> int:
     pid = torch.randint(3, 300, (m // G, workload.prompt_tokens), generator=g).repeat_interleave(G, 0)
     cid = torch.randint(3, 300, (m, workload.completion_tokens), generator=g)
     model.train()
+    chunk, tile = logprob_granularity(model.config.vocab_size, plan, cid.numel(), device="cpu")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         completion_logprobs(model, pid, torch.ones_like(pid, dtype=torch.bool), cid,
                             torch.ones_like(cid, dtype=torch.bool), share_prompt=plan.share_prompt,
-                            chunk_size=plan.logprob_chunk_size, vocab_tile=plan.logprob_vocab_tile)
+                            chunk_size=chunk, vocab_tile=tile)
     return sum(seen.values())
 
 
@@ -204,3 +206,40 @@ def test_auto_plan_takes_a_config_as_the_workload_and_returns_the_budget_choice(
     plan = auto_plan("qwen2.5-7b", config, 12)
     assert plan == plan_for_budget("qwen2.5-7b", Workload.from_config(config), 12).plan
     assert plan.quantization == "nf4" and "[auto_plan] " in capsys.readouterr().out
+
+
+def test_the_log_prob_pass_is_small_on_a_cpu_and_as_few_passes_as_fit_on_a_gpu():
+    """CPU: 256 tokens x 32,768 entries, as before. GPU: one chunk and one tile where the logits fit (12 bytes
+    a logit); else the chunk halves first (whole-vocabulary tiles), then the tile; a plan's own numbers win."""
+    plan, vocab, tokens = MemoryPlan(), 151_936, 16 * 512
+    assert logprob_granularity(vocab, plan, tokens, device="cpu") == (256, 32768)
+    assert logprob_granularity(vocab, plan, tokens, device="cuda") == (tokens, vocab)
+    one_pass = tokens * vocab * 12
+    assert logprob_granularity(vocab, plan, tokens, device="cuda", logits_bytes=one_pass) == (tokens, vocab)
+    assert logprob_granularity(vocab, plan, tokens, device="cuda", logits_bytes=one_pass - 1) == (4096, vocab)
+    # 1,000 tokens in 256 x V: chunks halve to 500 (not below 256), then tiles halve: 2 x 2 passes
+    assert logprob_granularity(vocab, plan, 1000, device="cuda", logits_bytes=256 * vocab * 12) == (500, 75_968)
+    small = 256 * 18_992 * 12  # 256 tokens x 1/8 of the vocabulary
+    assert logprob_granularity(vocab, plan, tokens, device="cuda", logits_bytes=small) == (256, 18_992)
+    assert logprob_granularity(vocab, plan, tokens, device="cuda", logits_bytes=1) == (256, 9496)  # the floor
+    fixed = MemoryPlan(logprob_chunk_size=512, logprob_vocab_tile=None)
+    assert logprob_granularity(vocab, fixed, tokens, device="cuda") == (512, None)
+    assert logprob_granularity(vocab, fixed, tokens, device="cpu") == (512, None)
+
+
+def test_a_plan_for_a_budget_fits_its_log_prob_pass_into_what_the_rest_leaves():
+    """plan_for_budget writes the chunk and tile it fitted into the plan; the estimate counts exactly
+    chunk x tile x 12 bytes for them, and the training phase stays within the budget's limit."""
+    from grpo_engine.memory.budget import plan_for_budget
+
+    workload = Workload(prompts_per_step=4, group_size=8, prompt_tokens=128, completion_tokens=1024)
+    choice = plan_for_budget("qwen2.5-1.5b", workload, 8, margin=0.15)
+    chunk, tile = choice.plan.logprob_chunk_size, choice.plan.logprob_vocab_tile
+    assert isinstance(chunk, int) and isinstance(tile, int)
+    m = choice.plan.micro_batch_size
+    assert choice.estimate.parts["logprob_tile"] == min(chunk, m * 1024) * tile * 12
+    assert choice.estimate.phases["training"] <= 8 / 1.15 * GIB
+    again = estimate_memory("qwen2.5-1.5b", choice.plan, workload)  # the plan's numbers, not "auto"
+    assert again.parts["logprob_tile"] == choice.estimate.parts["logprob_tile"]
+    roomy = plan_for_budget("qwen2.5-1.5b", workload, 140, margin=0.15).plan
+    assert (roomy.logprob_chunk_size, roomy.logprob_vocab_tile) == (roomy.micro_batch_size * 1024, 151_936)

@@ -102,7 +102,8 @@ def test_the_loss_pools_the_valid_tokens_left_after_its_filters():
     batch = MicroBatch(mask, torch.ones(3, dtype=torch.float64),
                        is_truncated=torch.tensor([False, True, False]), entropy=ent)
     share = fn.pooled_entropy(batch)
-    assert share.tolist() == [1.0, 3.0, 2.0]  # row 1 (truncated) left out
+    inf = float("inf")  # a fixed-size share: +inf where no token counts (row 1 truncated, padding)
+    assert share.tolist() == [1.0, 3.0, inf, inf, 2.0, inf]
     batch = dataclasses.replace(batch,
                                 entropy_pool=torch.cat([share, torch.tensor([4.0, 5.0], dtype=share.dtype)]))
     lp = leaf([[0.0, 0.0]] * 3)

@@ -34,7 +34,7 @@ from grpo_engine.losses.terms import (
     MaskTruncated,
     TruncatedIS,
 )
-from grpo_engine.ops.tokens import valid_values
+from grpo_engine.ops.tokens import pooled_values
 from grpo_engine.protocols import LossTerm, RowFilter
 from grpo_engine.types import LossOutput, MicroBatch, Requirements, TokenLoss
 
@@ -161,9 +161,10 @@ class ClippedSurrogate:
         return common.step_counts(completion_mask, keep)
 
     def pooled_entropy(self, batch: MicroBatch) -> Tensor:
-        """[k] the detached entropies of the tokens that count (after the row filters), this micro-batch's
-        share of ``MicroBatch.entropy_pool`` (``PooledEntropyLoss``)."""
-        return valid_values(batch.entropy, self._mask(batch))
+        """[n * C] the detached entropies of the tokens that count (after the row filters), +inf elsewhere:
+        this micro-batch's share of ``MicroBatch.entropy_pool`` (``PooledEntropyLoss``), of a size the
+        host knows without reading the device (``ops.tokens.pooled_values``)."""
+        return pooled_values(batch.entropy, self._mask(batch))
 
     def __call__(self, logprobs: Tensor, batch: MicroBatch, *, num_valid_tokens: int,
                  num_sequences: int) -> LossOutput:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_engine.memory.estimate import MemoryEstimate, Workload, estimate_memory
+from grpo_engine.memory.estimate import GIB, MemoryEstimate, Workload, estimate_memory
 from grpo_engine.memory.plan import LoRA, MemoryPlan
 
 __all__ = ["PlanChoice", "plan_for_budget", "auto_plan"]
@@ -40,6 +40,9 @@ def _summary(plan: MemoryPlan) -> str:
     bits += ["NF4 base"] if plan.quantization else []
     bits += ["gradient checkpointing"] if plan.gradient_checkpointing else []
     bits += [plan.optimizer, f"micro-batch {plan.micro_batch_size}"]
+    tile = plan.logprob_vocab_tile
+    bits += [f"log-prob chunks of {plan.logprob_chunk_size} tokens x "
+             + (f"{tile}-entry vocabulary tiles" if tile else "the whole vocabulary")]
     bits += ["activations offloaded"] if plan.offload_activations else []
     return ", ".join(bits)
 
@@ -52,7 +55,9 @@ def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: 
     every combination, a smaller micro-batch (halving; ~2% slower each), 8-bit optimizer states,
     gradient checkpointing, a 4-bit NF4 base (under LoRA) and, with checkpointing, activation
     offload (then only the layer inputs travel to CPU memory). Each choice's slowdown is the product
-    of its parts' estimated costs; the cheapest that fits wins.
+    of its parts' estimated costs; the cheapest that fits wins. Its "auto" log-prob chunks and tiles are
+    resolved for the budget (the fewest passes whose logits fit what the rest leaves,
+    ``estimate.logprob_granularity``) and written into the plan returned.
 
     ``ranks``: torchrun processes, for a ``base`` with ``sharding="fsdp"`` (which takes no 4-bit base nor
     8-bit states); ``workload`` is then one rank's. ``sampler="vllm"``: sampling runs in a colocated vLLM
@@ -90,7 +95,10 @@ def plan_for_budget(model: Any, workload: Workload, budget_gib: float, *, base: 
     rejected: list[tuple[str, float]] = []
     limit = budget_gib / (1 + margin)
     for slow, plan in candidates:
-        est = estimate_memory(model, plan, workload, ranks=ranks, sampler=sampler)
+        est = estimate_memory(model, plan, workload, ranks=ranks, sampler=sampler, budget_bytes=limit * GIB)
+        # "auto" log-prob chunks and tiles: the ones the estimate fitted, written into the plan the run takes
+        chunk, tile = est.logprob_granularity
+        plan = plan.model_copy(update={"logprob_chunk_size": chunk, "logprob_vocab_tile": tile})
         if est.peak_gib <= limit:
             reason = (f"{_summary(plan)}: predicted peak {est.peak_gib:.2f} GiB ({est.peak_phase}) "
                       f"fits {budget_gib:g} GiB with a {margin:.0%} margin; estimated step time x{slow:.2f} "

@@ -9,7 +9,8 @@ shape (its transformers config), the ``MemoryPlan`` and the workload. The peak i
                 a packed copy of the large linear weights with pack_weights_for_sampling: kept in
                 every phase under unmerged LoRA, whose frozen base is packed once)
     training  = resident + gradients + saved activations of one micro-batch + one layer's backward
-                + one tile of lm_head logits (chunk x tile fp32, x3: logits, exp, gradient)
+                + one tile of lm_head logits (chunk x tile fp32, x3: logits, exp, gradient; the
+                  chunk and tile of ``logprob_granularity``, chosen per device for "auto")
     optimizer = resident + gradients + the update's temporaries
 
 Saved activations per token per layer are a·h + b·f + c·k bytes (hidden, intermediate, kv_heads *
@@ -31,7 +32,7 @@ from grpo_engine.config import FrozenModel
 if TYPE_CHECKING:  # the estimator reads a plan's fields; it never builds one (memory/budget.py does)
     from grpo_engine.memory.plan import LoRA, MemoryPlan
 
-__all__ = ["ModelShape", "Workload", "MemoryEstimate", "estimate_memory",
+__all__ = ["ModelShape", "Workload", "MemoryEstimate", "estimate_memory", "logprob_granularity",
            "KNOWN_SHAPES", "GIB"]
 
 GIB = 1024**3
@@ -208,6 +209,8 @@ class MemoryEstimate:
 
     parts: dict[str, float]
     phases: dict[str, float]
+    # (tokens per chunk, vocabulary entries per tile or None) of the lm_head pass the estimate assumed
+    logprob_granularity: tuple[int, int | None] = (256, 32768)
 
     @property
     def peak_bytes(self) -> float:
@@ -225,6 +228,9 @@ class MemoryEstimate:
         """The breakdown as aligned text, GiB."""
         lines = [f"{'part':<28}{'GiB':>9}"]
         lines += [f"{name:<28}{value / GIB:>9.3f}" for name, value in self.parts.items()]
+        chunk, tile = self.logprob_granularity
+        lines.append(f"(log-prob pass: chunks of {chunk} tokens x "
+                     + (f"tiles of {tile} vocabulary entries)" if tile else "the whole vocabulary)"))
         lines.append("")
         lines += [f"{'phase: ' + name:<28}{value / GIB:>9.3f}"
                   + ("  <- peak" if name == self.peak_phase else "")
@@ -233,7 +239,8 @@ class MemoryEstimate:
 
 
 def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: int = 1,
-                    sampler: str = "ours") -> MemoryEstimate:
+                    sampler: str = "ours", device: str = "cuda", budget_bytes: float | None = None
+                    ) -> MemoryEstimate:
     """Predicts the peak tensor memory of one GRPO step, by part and by phase (of one rank).
 
     Args:
@@ -248,6 +255,11 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
             ``"vllm"`` (a colocated ``VLLMSampler`` with adapter sync: the engine's KV cache lives in its own
             ``gpu_memory_utilization`` share, which is not counted here, so sampling adds nothing to what
             the trainer holds).
+        device: ``"cuda"`` (an accelerator, the default) or ``"cpu"``: where ``"auto"`` log-prob chunks and
+            tiles are chosen for (:func:`logprob_granularity`).
+        budget_bytes: the memory the training phase may reach; with ``"auto"`` chunks and tiles on a GPU,
+            the log-prob pass takes the fewest passes whose logits fit in what the rest leaves of it
+            (``memory.budget`` passes its budget); None: the fewest passes, one chunk and one tile.
 
     Example:
         >>> from grpo_engine.memory.plan import LoRA, MemoryPlan
@@ -337,11 +349,14 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
         saved = 0.0  # kept in CPU memory
     parts["activations"] = saved
     parts["layer_backward"] = one_layer  # recomputed layer (checkpointing) or its gradient buffers
-    chunk = min(plan.logprob_chunk_size, m * w.completion_tokens)
-    tile = min(plan.logprob_vocab_tile or s.vocab, s.vocab)
-    parts["logprob_tile"] = chunk * tile * 4 * 3
-    training = (resident + parts["gradients"] + saved + one_layer + parts["logprob_tile"]
-                + parts["autocast_weights"] + gathered_layers + kept_packs)
+    training = (resident + parts["gradients"] + saved + one_layer + parts["autocast_weights"]
+                + gathered_layers + kept_packs)
+    left = budget_bytes - training if budget_bytes is not None else None  # for the logits
+    granularity = logprob_granularity(s.vocab, plan, m * w.completion_tokens, device=device,
+                                      logits_bytes=left)
+    chunk, tile = granularity
+    parts["logprob_tile"] = min(chunk, m * w.completion_tokens) * min(tile or s.vocab, s.vocab) * LOGIT_BYTES
+    training += parts["logprob_tile"]
 
     # optimizer step: the fused AdamW (build_optimizer's choice) makes no temporaries; under FSDP2, full
     # fine-tuning's shards beside the whole head take the per-tensor AdamW: two temporaries of its largest
@@ -349,5 +364,56 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
                                       if k > 1 and plan.lora is None and not eight_bit else 0)
     optimizer = resident + parts["gradients"] + parts["optimizer_temporaries"] + kept_packs
     return MemoryEstimate(
-        parts=parts, phases={"sampling": sampling, "training": training, "optimizer": optimizer}
+        parts=parts, phases={"sampling": sampling, "training": training, "optimizer": optimizer},
+        logprob_granularity=granularity,
     )
+
+
+LOGIT_BYTES = 4 * 3  # per logit of the lm_head pass: float32 logits, their exponentials, their gradient
+CPU_GRANULARITY = (256, 32768)  # small passes: a CPU's caches, and little memory held at once
+MIN_CHUNK, MIN_TILE = 256, 8192  # the smallest a GPU's plan cuts to
+
+
+def logprob_granularity(vocab: int, plan: MemoryPlan, tokens: int, *, device: str,
+                        logits_bytes: float | None = None) -> tuple[int, int | None]:
+    """``(tokens per chunk, vocabulary entries per tile)`` of the lm_head pass over a micro-batch of
+    ``tokens`` scored tokens, with a ``vocab``-entry vocabulary: the plan's own numbers where it gives them
+    (a tile of None: whole-vocabulary chunks); for ``"auto"``, on the CPU 256 x 32,768 (small passes); on a
+    GPU the fewest passes (chunks x tiles) whose logits (chunk x tile x 12 bytes: float32 logits, their
+    exponentials, their gradient) fit in ``logits_bytes``, one chunk of the whole micro-batch and one tile
+    of the whole vocabulary where they fit (None: no limit), else halving the chunk down to 256 tokens, then
+    the tile down to 8,192 entries. Fewer passes are fewer, larger matrix products: each pass of the CPU's
+    granularity is a few small kernels.
+
+    Example:
+        >>> from grpo_engine.memory.plan import MemoryPlan
+        >>> logprob_granularity(151_936, MemoryPlan(), 16 * 512, device="cuda")
+        (8192, 151936)
+        >>> logprob_granularity(151_936, MemoryPlan(), 16 * 512, device="cuda", logits_bytes=2 * 2**30)
+        (1024, 151936)
+        >>> logprob_granularity(151_936, MemoryPlan(), 16 * 512, device="cpu")
+        (256, 32768)
+    """
+    chunk, tile = plan.logprob_chunk_size, plan.logprob_vocab_tile
+    if device != "cuda":
+        return (CPU_GRANULARITY[0] if chunk == "auto" else chunk,
+                CPU_GRANULARITY[1] if tile == "auto" else tile)
+    tokens = max(tokens, 1)
+    chunks = [chunk] if chunk != "auto" else _halvings(tokens, MIN_CHUNK)
+    tiles = [tile] if tile != "auto" else _halvings(vocab, MIN_TILE)
+    # the fewest passes; among as many, whole-vocabulary tiles (one logsumexp, no running one)
+    def passes(c: int, t: int | None) -> tuple[int, int, int]:
+        return math.ceil(tokens / c) * math.ceil(vocab / (t or vocab)), -(t or vocab), -c
+
+    for c, t in sorted(((c, t) for c in chunks for t in tiles), key=lambda ct: passes(*ct)):
+        if logits_bytes is None or min(c, tokens) * min(t or vocab, vocab) * LOGIT_BYTES <= logits_bytes:
+            return c, t
+    return min(chunks), min(tiles, key=lambda t: t or vocab)  # nothing fits: the smallest
+
+
+def _halvings(size: int, smallest: int) -> list[int]:
+    """``size``, then halved (rounded up) while it stays at or above ``smallest``."""
+    out = [size]
+    while math.ceil(out[-1] / 2) >= smallest:
+        out.append(math.ceil(out[-1] / 2))
+    return out

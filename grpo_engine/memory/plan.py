@@ -14,7 +14,8 @@ memory), ``share_prompt`` (a group's prompt runs once: in sampling, and in train
 ``torch.compile``), ``micro_batch_size`` (completions per forward/backward; the accumulated
 gradient equals the one-batch gradient), ``dtype`` (base weights; adapters stay float32),
 ``compute_dtype`` (mixed precision: float32 weights, gradients and AdamW states, forward passes under
-``torch.autocast``), ``logprob_chunk_size`` / ``logprob_vocab_tile`` (at most chunk x tile logits),
+``torch.autocast``), ``logprob_chunk_size`` / ``logprob_vocab_tile`` (at most chunk x tile logits; ``auto``:
+chosen per device, small on a CPU, the fewest passes that fit on a GPU),
 ``sharding`` (under torchrun: ``none``, or ``fsdp``: FSDP2 over the ranks, docs/distributed.md).
 """
 
@@ -155,13 +156,16 @@ class MemoryPlan(FrozenModel):
         None, description="Mixed precision: the dtype forward passes compute in under torch.autocast, "
         "when it differs from dtype (e.g. float32 weights, bfloat16 compute). null: compute in dtype."
     )
-    logprob_vocab_tile: int | None = Field(
-        32768, description="Vocabulary entries per tile of the lm_head pass (plain linear heads); bounds the "
-        "logits to chunk x tile floats in forward and backward. null: whole-vocabulary chunks."
+    logprob_vocab_tile: int | Literal["auto"] | None = Field(
+        "auto", description="Vocabulary entries per tile of the lm_head pass (plain linear heads); bounds "
+        "the logits to chunk x tile floats in forward and backward. null: whole-vocabulary chunks (a "
+        "soft-capped or adapted head's path). auto: chosen with logprob_chunk_size for the device (32,768 on "
+        "the CPU; on a GPU the fewest tiles that fit, memory.estimate.logprob_granularity)."
     )
-    logprob_chunk_size: int = Field(
-        256, description="Tokens per lm_head/log-softmax chunk; bounds the logits memory to chunk x vocab "
-        "floats (256 x 151,936 x 4 B = 156 MB for a Qwen2.5 vocabulary)."
+    logprob_chunk_size: int | Literal["auto"] = Field(
+        "auto", description="Tokens per lm_head/log-softmax chunk; bounds the logits memory to chunk x vocab "
+        "floats (256 x 151,936 x 4 B = 156 MB for a Qwen2.5 vocabulary). auto: chosen for the device (256 "
+        "on the CPU; on a GPU the fewest chunks that fit, one per micro-batch where it fits)."
     )
 
     @field_validator("lora", mode="before")
@@ -216,8 +220,8 @@ class MemoryPlan(FrozenModel):
 
 
 MemoryPlan.field_rules = {
-    "logprob_vocab_tile": (lambda v: v is None or v >= 1, "must be >= 1",
-                           "use e.g. 32768, or null to turn tiling off"),
+    "logprob_vocab_tile": (lambda v: v is None or v == "auto" or v >= 1, "must be >= 1",
+                           "use e.g. 32768, 'auto', or null to turn tiling off"),
     "micro_batch_size": (lambda v: v >= 1, "must be >= 1", "use a positive number of completions, e.g. 8"),
-    "logprob_chunk_size": (lambda v: v >= 1, "must be >= 1", "use e.g. 256 tokens"),
+    "logprob_chunk_size": (lambda v: v == "auto" or v >= 1, "must be >= 1", "use e.g. 256 tokens, or 'auto'"),
 }

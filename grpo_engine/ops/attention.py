@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["position_ids_from_mask", "kv_cache", "is_decoder_lm", "supports_static",
-           "attention_implementation", "prompt_attention", "attention_mask", "FAMILIES"]
+           "attention_implementation", "prompt_attention", "completion_attention", "attention_mask",
+           "decoder_masks", "FAMILIES"]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # plain rotary attention, no logit soft-capping or sinks
 
@@ -88,3 +89,42 @@ def attention_mask(allowed: Tensor, eager: bool, dtype: torch.dtype) -> Tensor:
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
                                                                                        torch.finfo(dtype).min)
+
+
+def completion_attention(prompt_mask: Tensor, fed_mask: Tensor) -> Tensor:
+    """[n, 1, L, P + L] which keys each of the L completion tokens ``fed_mask`` [n, L] attends to after the
+    left-padded prompts ``prompt_mask`` [n, P]: the real prompt tokens, and the real completion tokens up
+    to itself."""
+    n, width = prompt_mask.shape
+    length, device = fed_mask.shape[1], fed_mask.device
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return torch.cat([prompt_mask[:, None, None, :].bool().expand(n, 1, length, width),
+                      causal & fed_mask[:, None, None, :].bool()], dim=-1)
+
+
+def decoder_masks(model: nn.Module, mask: Tensor, allowed: Tensor, *, dense: bool = False,
+                  offset: int = 0) -> dict[str, Tensor | None]:
+    """The ``attention_mask`` and ``position_ids`` to pass ``model``'s decoder for tokens whose padding mask
+    is ``mask`` [n, T] (``offset``: the first ``offset`` columns are in the KV cache already), without
+    transformers reading the padding back to the host (on a GPU, a wait):
+
+    - ``dense`` (the host knows no token is padding; for a pass that uses a KV cache, without which
+      transformers would read the positions back to look for packed sequences): neither, so transformers
+      takes the causal path and counts positions from the cache, as it does for a mask of ones it has read;
+    - a model whose attention takes a 4D mask (sdpa or eager attention in a family :func:`supports_static`
+      knows): ``allowed`` [n, 1, T - offset, T] (True: attend) in its form, so transformers builds none;
+    - any other: the 2D mask, for transformers to build its own.
+
+    Example:
+        >>> decoder_masks(None, torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 1, 2, 2, dtype=torch.bool),
+        ...               dense=True)
+        {'attention_mask': None, 'position_ids': None}
+    """
+    if dense:
+        return {"attention_mask": None, "position_ids": None}
+    positions = position_ids_from_mask(mask)[:, offset:]
+    if supports_static(model) is not None:
+        return {"attention_mask": mask.long(), "position_ids": positions}
+    eager = (getattr(model.config, "_attn_implementation", None) or "eager") == "eager"
+    dtype = model.get_input_embeddings().weight.dtype
+    return {"attention_mask": attention_mask(allowed, eager, dtype), "position_ids": positions}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["token_entropy_mean", "group_token_entropy", "high_entropy_mask", "valid_values"]
+__all__ = ["token_entropy_mean", "group_token_entropy", "high_entropy_mask", "valid_values", "pooled_values"]
 
 
 def _masked(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -30,6 +30,21 @@ def valid_values(values: Tensor, mask: Tensor) -> Tensor:
     """
     values, mask = _masked(values.detach(), mask)
     return values[mask]
+
+
+def pooled_values(values: Tensor, mask: Tensor) -> Tensor:
+    """[n * C] the detached values as float (at least float32), +inf at the positions that are not valid:
+    a pool of fixed size (:func:`high_entropy_mask`'s ``among`` leaves the +inf out), where
+    :func:`valid_values` has one entry per valid position and so a size only the data knows (on a GPU, a
+    read back to the host).
+
+    Example:
+        >>> pooled_values(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[True, False], [True, True]]))
+        tensor([1., inf, 3., 4.])
+    """
+    values, mask = _masked(values.detach(), mask)
+    return torch.where(mask, values, torch.full((), float("inf"), dtype=values.dtype,
+                                                device=values.device)).flatten()
 
 
 def _check_shapes(name: str, entropy: Tensor, mask: Tensor) -> None:
@@ -116,8 +131,8 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float
         mask: [n, C] True on valid tokens.
         top_entropy_quantile: ρ in [0, 1], the fraction to keep (the paper uses 0.2).
         among: 1-D entropies to take the threshold over instead of ``H[mask]``, e.g. the valid
-            tokens of this micro-batch on every rank (``valid_values``, gathered); they must
-            include this micro-batch's own.
+            tokens of this micro-batch on every rank (``pooled_values``, gathered); they must
+            include this micro-batch's own; +inf entries (no token) are left out.
 
     Returns:
         [n, C] bool, False on padding; all False when no token is valid.
@@ -132,13 +147,15 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_entropy_quantile: float
         raise ValueError(f"high_entropy_mask: top_entropy_quantile={top_entropy_quantile!r} "
                          "must be in [0, 1] (the fraction of tokens to keep; the paper uses 0.2)")
     values, mask = _masked(entropy.detach(), mask)
-    pool = values[mask] if among is None else among.detach().to(device=values.device, dtype=values.dtype)
-    valid = pool.sort().values  # [k]
-    k = valid.shape[0]
-    if k == 0:
-        return torch.zeros_like(mask)
-    # torch.quantile's linear rule, spelled out (torch.quantile refuses inputs above 2**24 elements)
-    rank = torch.tensor(1.0 - top_entropy_quantile, dtype=valid.dtype, device=valid.device) * (k - 1)
+    pool = pooled_values(values, mask) if among is None else among.detach().to(values.device, values.dtype)
+    # the valid values first, ascending, then +inf; their count k stays on the device (no read back)
+    valid = pool.sort().values
+    k = torch.isfinite(valid).sum()
+    # torch.quantile's linear rule, spelled out (torch.quantile refuses inputs above 2**24 elements);
+    # with k = 0 the threshold is +inf and no token is kept
+    rank = (k - 1).clamp(min=0).to(valid.dtype) * (1.0 - top_entropy_quantile)
     below, above = rank.long(), rank.ceil().long()
-    threshold = torch.lerp(valid[below], valid[above], rank - below)
+    if valid.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.lerp(valid.gather(0, below[None]), valid.gather(0, above[None]), rank - below)
     return (values >= threshold) & mask
