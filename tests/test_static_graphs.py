@@ -286,5 +286,9 @@ def test_the_sampler_keeps_one_decoder_for_the_run(monkeypatch):
     assert decoders[0].decoder.rows == 8 and decoders[0].decoder.width == 24 + 10
     graphs.sample([Prompt("1", "1")] * 3, group_size=4)  # more rows than any call before: a larger decoder
     assert graphs.decoding_kept is not decoders[0] and graphs.decoding_kept.decoder.rows == 12
+    graphs.release_decoder()  # frees the KV cache and graphs between calls; the next call builds anew
+    assert graphs.decoding_kept is None
+    graphs.sample([Prompt("1", "1")], group_size=2)
+    assert graphs.decoding_kept is not None and graphs.last_decoding["captures"] > 0
     # merge_lora's merged weights are new tensors at every call: no decoder kept
     assert not HFSampler(lora_model(tok), tok, decoding="cuda_graph", merge_lora=True).keep_decoder
