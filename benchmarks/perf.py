@@ -316,7 +316,7 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
                           template=PlainTemplate("{question}"))
     times["built_s"] = _since_launch()
     clock, meter, seen = StageClock(p.device), MemoryMeter(p.device), {}
-    _time_ours(trainer, clock, meter, seen)
+    calls = _time_ours(trainer, clock, meter, seen)
 
     def snapshot(final: bool) -> dict:  # the result so far: after each measured step, and at the end
         decoding = trainer.sampler.last_decoding.get("path") or resolve_decoding(
@@ -339,6 +339,10 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
         stages = clock.seconds()  # synchronises once, after the step
         step_s = time.perf_counter() - start
         times.setdefault("steps_end_s", []).append(_since_launch())
+        if not (calls["gradients"] and calls["clip"]):  # the trainer reached them another way: say so
+            raise SystemExit(f"ours: the loss + backward boundary timed no call ({calls}); the trainer no "
+                             "longer calls trainer.gradients(...) and trainer.world.clip_grad_norm: fix "
+                             "_time_ours")
         phases = trainer.sampler.last_clock.seconds() if trainer.sampler.last_clock is not None else {}
         stages["reward_s"] = m["time/reward_s"]  # host work (the trainer's wall-clock timer)
         row = _step_row(step_s, stages, seen)
@@ -349,9 +353,18 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
     return snapshot(final=True)
 
 
-def _time_ours(trainer, clock: StageClock, meter: MemoryMeter, seen: dict) -> None:
+def _time_ours(trainer, clock: StageClock, meter: MemoryMeter, seen: dict) -> dict[str, int]:
     """Our trainer's stages timed at TRL's boundaries (module docstring): sampling, the no-grad log-prob
-    passes, the gradient pass plus clipping (``loss_backward_s``), the optimizer step."""
+    passes, the gradient pass plus clipping (``loss_backward_s``), the optimizer step. Returns the count
+    of gradient passes and clippings seen (the caller checks that the boundary caught them)."""
+    calls = {"gradients": 0, "clip": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
     def entering(phase, fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -365,12 +378,15 @@ def _time_ours(trainer, clock: StageClock, meter: MemoryMeter, seen: dict) -> No
         seen.update(_lengths(batch.prompt_mask.sum(1).tolist(), batch.completion_lengths.tolist()))
 
     gradients, world = trainer.gradients, trainer.world
-    trainer.gradients = Wrapped(gradients, call=clock.wrap("loss_backward_s", gradients),
-                                logprobs=clock.wrap("logprobs_s", gradients.logprobs))
-    trainer.world = Wrapped(world, clip_grad_norm=clock.wrap("loss_backward_s", world.clip_grad_norm))
+    gradient_pass = clock.wrap("loss_backward_s", counted("gradients", gradients))
+    no_grad_pass = clock.wrap("logprobs_s", gradients.logprobs)
+    trainer.gradients = Wrapped(gradients, call=gradient_pass, logprobs=no_grad_pass)
+    trainer.world = Wrapped(world, clip_grad_norm=clock.wrap("loss_backward_s",
+                                                             counted("clip", world.clip_grad_norm)))
     trainer.optimizer.step = entering("optimizer", clock.wrap("optimizer_s", trainer.optimizer.step))
     trainer.sampler.sample = entering("sampling",
                                       clock.wrap("generation_s", trainer.sampler.sample, after=record))
+    return calls
 
 
 def run_trl(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
