@@ -28,11 +28,13 @@ Arms, each the forward pass, the loss and ``backward()``:
 The first four apply ``grpo_engine.losses.ClippedSurrogate`` (token aggregation, clip 0.2, no KL); Liger
 its own ``loss_type="dapo"`` with the same clip, the same objective. Before any timing every arm's loss
 and gradients (hidden states; the weight where the head trains) are checked against a reference pass
-(the plain one in float32 on a GPU, float64 on the CPU): relative error ``|a - ref| / |ref|`` (norms for
-the gradients) at most 1e-4 with float32 compute, 3e-2 with bfloat16. Then each arm runs ``repetitions``
-times in rotated order (CUDA events around forward + backward) with the peak allocated memory above
-what was allocated before it (the inputs and the weight); the check's run is the warm-up (Triton's
-JIT, Liger's compile). On the CPU the check is the result: its times are not reported as figures.
+(the plain one in float32 on a GPU, float64 on the CPU): relative error (the gradients' as norms, the
+loss's against the mean |advantage|) at most 1e-4 with float32 compute, 3e-2 with bfloat16. Then each
+arm runs ``repetitions`` times in rotated order (CUDA events around forward + backward) with the peak
+allocated memory above what was allocated before it (the inputs and the weight); the check's run is the
+warm-up (Triton's JIT, Liger's compile). On the CPU the check is the result: its times are not figures.
+An arm whose library does not import, or whose run fails (out of memory, say), is reported under
+``skipped`` with the reason, and the others go on.
 
 One worker runs every case (one launch, one set of imports) and prints its result after each case;
 the parent writes the JSON (``--out``) and one summary line per case.
@@ -304,8 +306,14 @@ def measure_case(case: Case, device: str, repetitions: int, arms: tuple[str, ...
     tolerance = TOLERANCE[case.compute_dtype]
     scale = float(inputs.advantages.abs().mean())
     results: dict[str, dict] = {}
-    for arm in runnable:  # the check, and the warm-up
-        found = run_once(runs[arm], inputs, device)
+    for arm in list(runnable):  # the check, and the warm-up
+        try:
+            found = run_once(runs[arm], inputs, device)
+        except RuntimeError as error:  # out of memory, a kernel that does not build: this arm only
+            skipped[arm] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            runnable.remove(arm)
+            _free(device)
+            continue
         check = agreement(found, reference, scale)
         worst = max(v for v in check.values() if v is not None)
         results[arm] = {"check": check, "ok": worst <= tolerance, "loss": float(found["loss"]),
@@ -324,6 +332,13 @@ def measure_case(case: Case, device: str, repetitions: int, arms: tuple[str, ...
     return {"case": dataclasses.asdict(case), "k": case.k, "tolerance": tolerance, "flops": flops,
             "reference_loss": float(reference["loss"]), "arms": results, "skipped": skipped,
             "ok": all(r["ok"] for r in results.values()), "times": times}
+
+
+def _free(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def _since_launch() -> float:

@@ -387,3 +387,23 @@ def test_the_head_pass_check_catches_a_wrong_arm(monkeypatch):
     monkeypatch.setattr(head_pass, "arm_function", with_a_slip)
     result = head_pass.measure_case(head_pass.SMOKE["smoke-float32"], "cpu", 1, ("ours-one", "plain"))
     assert result["arms"]["ours-one"]["ok"] and not result["arms"]["plain"]["ok"] and not result["ok"]
+
+
+def test_a_head_pass_arm_that_fails_is_reported_and_the_others_go_on(monkeypatch):
+    import head_pass
+
+    real = head_pass.arm_function
+
+    def out_of_memory(arm, case, device):
+        if arm != "plain":
+            return real(arm, case, device)
+
+        def run(x):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 6.19 GiB")
+        return run
+
+    monkeypatch.setattr(head_pass, "arm_function", out_of_memory)
+    result = head_pass.measure_case(head_pass.SMOKE["smoke-float32"], "cpu", 1, ("ours-one", "plain"))
+    why = "failed: RuntimeError: CUDA out of memory. Tried to allocate 6.19 GiB"
+    assert result["skipped"] == {"plain": why}
+    assert set(result["arms"]) == {"ours-one"} and result["ok"] and len(result["arms"]["ours-one"]["ms"]) == 1
