@@ -208,6 +208,15 @@ def _verdict(met: bool | None) -> str:
     return "not measured" if met is None else "met" if met else "NOT met"
 
 
+def _cell(case: dict, arm: str) -> str:
+    """One arm of one case: time, peak, rate; or why it did not run (failed / skipped)."""
+    r = case["arms"].get(arm)
+    if r is None:
+        return "failed" if case["skipped"].get(arm, "").startswith("failed") else "skipped"
+    return (f"{_f(r['median_ms'], '.0f')} ms, {_f(r['peak_gib'], '.1f')} GiB, {_f(r['tflops'], '.0f')}"
+            + ("" if r["ok"] else ", DIFFERS"))
+
+
 def _head_table(h: dict) -> list[str]:
     """One row per case, one column per arm: time, peak and rate; the agreement below."""
     arms = list(dict.fromkeys(arm for c in h["cases"] for arm in [*c["arms"], *c["skipped"]]))
@@ -217,9 +226,7 @@ def _head_table(h: dict) -> list[str]:
     agree = []
     for c in h["cases"]:
         head = "trained" if c["train_head"] else "frozen"
-        cells = [(f"{_f(r['median_ms'], '.0f')} ms, {_f(r['peak_gib'], '.1f')} GiB, {_f(r['tflops'], '.0f')}"
-                  + ("" if r["ok"] else ", DIFFERS")) if (r := c["arms"].get(arm)) else "skipped"
-                 for arm in arms]
+        cells = [_cell(c, arm) for arm in arms]
         label = f"{c['name']}: {c['k']:,} tokens x {c['hidden']}, {head} head"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
         worst = max((r["largest_error"] for r in c["arms"].values()), default=None)
