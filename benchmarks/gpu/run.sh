@@ -84,7 +84,6 @@ stage() {
     return 0
   fi
   say "$name (limit ${limit} s)"
-  STAGE_END=$(( begin + limit ))
   timeout --kill-after=2 $(( limit - 2 )) "$@" 2>> "$LOG" | grep --line-buffered -v '^{' | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   echo "{\"stage\": \"$name\", \"limit_s\": $limit, \"start_s\": $(( begin - START )), \"end_s\": $(( $(date +%s) - START )), \"rc\": $rc}" >> "$TIMELINE"
@@ -152,8 +151,8 @@ head_pass() {
 
 decode() {  # decode PART GPU_LIMIT SMOKE_LIMIT
   if [[ ${PERF_PREFLIGHT_ONLY:-0} == 1 ]]; then say "decode-$1"; return; fi
-  stage "decode-$1" "$(pick "$2" "$3")" $PY benchmarks/gpu/decode_check.py $CPU_FLAG --part "$1" --out "$OUT/decode_check.json" \
-    || say "decode check: FAILED (see decode_check.json and run.log); going on"
+  stage "decode-$1" "$(pick "$2" "$3")" $PY benchmarks/gpu/decode_check.py $CPU_FLAG --part "$1" \
+    --out "$OUT/decode_check.json" || say "decode check: FAILED (see decode_check.json and run.log); going on"
 }
 
 if [[ $PART == 1 || $PART == all ]]; then
@@ -163,8 +162,8 @@ if [[ $PART == 1 || $PART == all ]]; then
 fi
 if [[ $PART == 2 || $PART == all ]]; then
   preset gpu-7b-qlora ours nf4
+  decode all 50 90
 fi
-if [[ $PART == 2 || $PART == all ]]; then decode all 50 90; fi
 
 if [[ $DRY == 1 ]]; then
   PLANNED=$(( PLANNED + 5 ))
