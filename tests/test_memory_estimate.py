@@ -209,8 +209,9 @@ def test_auto_plan_takes_a_config_as_the_workload_and_returns_the_budget_choice(
 
 
 def test_the_log_prob_pass_is_small_on_a_cpu_and_as_few_passes_as_fit_on_a_gpu():
-    """CPU: 256 tokens x 32,768 entries, as before. GPU: one chunk and one tile where the logits fit (12 bytes
-    a logit); else the chunk halves first (whole-vocabulary tiles), then the tile; a plan's own numbers win."""
+    """CPU: 256 tokens x 32,768 entries, as before. GPU: one chunk and one tile where the logits fit (12
+    bytes a logit); else the chunk halves first (whole-vocabulary tiles), then the tile; a plan's own
+    numbers win."""
     plan, vocab, tokens = MemoryPlan(), 151_936, 16 * 512
     assert logprob_granularity(vocab, plan, tokens, device="cpu") == (256, 32768)
     assert logprob_granularity(vocab, plan, tokens, device="cuda") == (tokens, vocab)
@@ -218,7 +219,8 @@ def test_the_log_prob_pass_is_small_on_a_cpu_and_as_few_passes_as_fit_on_a_gpu()
     assert logprob_granularity(vocab, plan, tokens, device="cuda", logits_bytes=one_pass) == (tokens, vocab)
     assert logprob_granularity(vocab, plan, tokens, device="cuda", logits_bytes=one_pass - 1) == (4096, vocab)
     # 1,000 tokens in 256 x V: chunks halve to 500 (not below 256), then tiles halve: 2 x 2 passes
-    assert logprob_granularity(vocab, plan, 1000, device="cuda", logits_bytes=256 * vocab * 12) == (500, 75_968)
+    fits = 256 * vocab * 12
+    assert logprob_granularity(vocab, plan, 1000, device="cuda", logits_bytes=fits) == (500, 75_968)
     small = 256 * 18_992 * 12  # 256 tokens x 1/8 of the vocabulary
     assert logprob_granularity(vocab, plan, tokens, device="cuda", logits_bytes=small) == (256, 18_992)
     assert logprob_granularity(vocab, plan, tokens, device="cuda", logits_bytes=1) == (256, 9496)  # the floor

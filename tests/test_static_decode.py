@@ -14,7 +14,7 @@ from grpo_engine.memory.estimate import Workload, estimate_memory
 from grpo_engine.sampling import compiled_step, static
 from grpo_engine.sampling.decode import TokenDraw, decode
 from grpo_engine.sampling.hf import HFSampler, resolve_decoding
-from grpo_engine.sampling.static import StaticDecoder, decode_static, grouped_attention, supports_static
+from grpo_engine.sampling.static import StaticDecoder, decode_static, grouped_attention, load, supports_static
 from grpo_engine.types import Prompt
 
 from .tiny import ReplayByRunning, char_tokenizer, tiny_llama
@@ -146,7 +146,7 @@ def test_the_cache_is_the_size_the_memory_estimator_predicts(dtype):
     decoder = StaticDecoder(model, rows=prompts * group, prompt_tokens=ids.shape[1],
                             max_new_tokens=completion, eos_ids=[1], pad_id=0, draw=DRAWS["greedy"])
     assert decoder.cache.nbytes == 0  # allocated by the first call, in the dtypes the model writes
-    decoder.load(ids, mask, repeats=group, temperature=1.0)
+    load(decoder, ids, mask, repeats=group, temperature=1.0)
     plan = MemoryPlan(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     predicted = estimate_memory(model.config, plan, Workload(prompts_per_step=prompts, group_size=group,
                                                              prompt_tokens=ids.shape[1],

@@ -42,11 +42,12 @@ from torch import Tensor, nn
 from grpo_engine.ops.attention import (
     attention_implementation,
     attention_mask,
+    position_ids_from_mask,
     prompt_attention,
     supports_static,
 )
 from grpo_engine.sampling.compiled_step import compiled, first_compiled_call, later_calls
-from grpo_engine.sampling.decode import BAD_DISTRIBUTION, PhaseClock, TokenDraw, draw_uniforms
+from grpo_engine.sampling.draw import BAD_DISTRIBUTION, PhaseClock, TokenDraw, draw_uniforms
 from grpo_engine.sampling.lora_concat import ConcatenatedLoRA, lora_switches
 from grpo_engine.sampling.static_step import (
     StaticDecoder,
@@ -58,7 +59,7 @@ from grpo_engine.sampling.static_step import (
 
 __all__ = ["StaticDecoding", "StaticKVCache", "StaticDecoder", "CudaGraphCapture", "decode_static",
            "supports_static", "static_cache_bytes", "grouped_attention", "attention_buckets",
-           "attention_implementation", "attention_mask", "prompt_attention", "BUCKET_TOKENS"]
+           "attention_implementation", "attention_mask", "prompt_attention", "BUCKET_TOKENS", "load"]
 
 Mode = Literal["eager", "compiled", "cuda_graph"]
 MODES = ("eager", "compiled", "cuda_graph")
@@ -148,6 +149,36 @@ def _restore(buffers: list[Tensor], saved: list[Tensor]) -> None:
         buffer.copy_(value)
 
 
+def load(decoder: StaticDecoder, ids: Tensor, mask: Tensor, *, repeats: int, temperature: float) -> int:
+    """Loads a call's left-padded prompts ``ids`` / ``mask`` [B, P] into ``decoder``
+    (:meth:`StaticDecoder.load`): prefills each distinct prompt's head once (outside the grouped attention:
+    the model's own) and returns the call's rows. The first call allocates the cache, each layer's keys
+    and values in the dtypes the model wrote them (under autocast the keys, rotated by a float32 RoPE, may
+    be float32 and the values bfloat16)."""
+    head = _prefill(decoder, ids, mask) if ids.shape[1] > 1 else None
+    if not decoder.cache.keys:  # the first call: the layers' dtypes are those the model wrote
+        decoder.cache.allocate_like(head if head is not None else _probe(decoder))
+    return decoder.load(ids, mask, head, repeats=repeats, temperature=temperature)
+
+
+def _prefill(decoder: StaticDecoder, ids: Tensor, mask: Tensor) -> StaticKVCache:
+    """The keys and values of every prompt token but the last, one row per distinct prompt."""
+    head, head_mask = StaticKVCache(ids.shape[0], ids.shape[1] - 1, ids.device), mask[:, :-1]
+    allowed = attention_mask(prompt_attention(head_mask), decoder.eager_attention, decoder.dtype)
+    decoder.forward(ids[:, :-1], allowed, position_ids_from_mask(head_mask), head, logits_to_keep=1)
+    return head
+
+
+def _probe(decoder: StaticDecoder) -> StaticKVCache:
+    """A cache one padding token wrote (one-token prompts: no prefill tells the layers' dtypes)."""
+    device = decoder.token.device
+    probe, one = StaticKVCache(1, 1, device), torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+    decoder.forward(torch.full((1, 1), decoder.pad_id, device=device),
+                    attention_mask(one, decoder.eager_attention, decoder.dtype),
+                    torch.zeros(1, 1, dtype=torch.long, device=device), probe, logits_to_keep=1)
+    return probe
+
+
 class StaticDecoding:
     """Static decoding whose buffers, compiled step and CUDA graphs live from one call to the next (see the
     module docstring); :meth:`__call__` has :func:`decode_static`'s contract.
@@ -219,7 +250,7 @@ class StaticDecoding:
         self._follow_model()
         if self.lora is not None:
             self.lora.refresh()  # the adapters' new values, into the copy the steps read
-        rows = self.decoder.load(ids, mask, repeats=repeats, temperature=draw.temperature)
+        rows = load(self.decoder, ids, mask, repeats=repeats, temperature=draw.temperature)
         captured = self.captures
         if clock is not None:
             clock.mark("prefill")

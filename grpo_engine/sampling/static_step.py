@@ -26,10 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from grpo_engine.ops.attention import attention_mask, position_ids_from_mask, prompt_attention
-
 if TYPE_CHECKING:
-    from grpo_engine.sampling.decode import TokenDraw
+    from grpo_engine.sampling.draw import TokenDraw
 
 __all__ = ["StaticKVCache", "StaticDecoder", "grouped_attention", "attention_buckets", "static_cache_bytes"]
 
@@ -176,23 +174,20 @@ class StaticDecoder:
                          logits_to_keep=logits_to_keep, **kwargs)
         return out.logits[:, -1]
 
-    def load(self, ids: Tensor, mask: Tensor, *, repeats: int, temperature: float) -> int:
+    def load(self, ids: Tensor, mask: Tensor, head: StaticKVCache | None, *, repeats: int,
+             temperature: float) -> int:
         """Refreshes every buffer in place for the left-padded prompts ``ids`` / ``mask`` [B, P], each
-        repeated ``repeats`` times (rows ``b*repeats ..`` belong to prompt b), sampled at ``temperature``;
-        prefills each distinct prompt's head once (outside the grouped attention: the model's own) and
-        returns the call's rows B*repeats. Slots past the prompt keep an earlier call's values, masked off
-        until a step writes them. The first call allocates the cache, each layer's keys and values in the
-        dtypes the model wrote them (under autocast the keys, rotated by a float32 RoPE, may be float32 and
-        the values bfloat16)."""
+        repeated ``repeats`` times (rows ``b*repeats ..`` belong to prompt b), sampled at ``temperature``,
+        with ``head`` the keys and values of each distinct prompt's tokens but the last (None for one-token
+        prompts; ``static.load`` prefills it); returns the call's rows B*repeats. Slots past the prompt keep
+        an earlier call's values, masked off until a step writes them. The cache must be allocated
+        (``cache.allocate_like``)."""
         b, p = ids.shape
         n = b * repeats
         if n > self.rows or p > self.prompt_tokens:
             raise ValueError(f"a call of {n} rows x {p} prompt tokens does not fit a static decoder of "
                              f"{self.rows} rows x {self.prompt_tokens} prompt tokens; build a larger one")
         self.attention.zero_()
-        head = self._prefill(ids, mask) if p > 1 else None
-        if not self.cache.keys:  # the first call: the layers' dtypes are those the model wrote
-            self.cache.allocate_like(head if head is not None else self._probe())
         if head is not None:
             for whole, part in zip(self.cache.keys + self.cache.values, head.keys + head.values):
                 whole[:n].view(b, repeats, *whole.shape[1:])[:, :, :, :p - 1].copy_(part[:, None])
@@ -200,8 +195,8 @@ class StaticDecoder:
         self.cache.slot.fill_(p - 1)
         self.token.fill_(self.pad_id)
         self.token[:n] = ids[:, -1].repeat_interleave(repeats, 0)
-        self.position.zero_()
-        self.position[:n] = position_ids_from_mask(mask)[:, -1].repeat_interleave(repeats, 0)
+        self.position.zero_()  # the last prompt token's: the real tokens before it (left padding)
+        self.position[:n] = (mask.long().sum(-1) - 1).clamp(min=0).repeat_interleave(repeats, 0)
         self.t.zero_()
         self.done.fill_(True)  # the rows past the call's: finished, never drawn
         self.done[:n] = False
@@ -211,22 +206,6 @@ class StaticDecoder:
             self.logprobs.zero_()
         self.temperature.fill_(temperature)
         return n
-
-    def _prefill(self, ids: Tensor, mask: Tensor) -> StaticKVCache:
-        """The keys and values of every prompt token but the last, one row per distinct prompt."""
-        head, head_mask = StaticKVCache(ids.shape[0], ids.shape[1] - 1, ids.device), mask[:, :-1]
-        allowed = attention_mask(prompt_attention(head_mask), self.eager_attention, self.dtype)
-        self.forward(ids[:, :-1], allowed, position_ids_from_mask(head_mask), head, logits_to_keep=1)
-        return head
-
-    def _probe(self) -> StaticKVCache:
-        """A cache one padding token wrote (one-token prompts: no prefill tells the layers' dtypes)."""
-        device = self.token.device
-        probe, one = StaticKVCache(1, 1, device), torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
-        self.forward(torch.full((1, 1), self.pad_id, device=device),
-                     attention_mask(one, self.eager_attention, self.dtype),
-                     torch.zeros(1, 1, dtype=torch.long, device=device), probe, logits_to_keep=1)
-        return probe
 
     def fill_uniforms(self, uniforms: Tensor) -> None:
         """This step's uniforms [n, 2] for the call's first n rows."""
