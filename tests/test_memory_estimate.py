@@ -89,17 +89,34 @@ def test_kv_cache_matches_the_cache_of_a_forward():
 
 def test_a_vllm_sampler_adds_nothing_to_the_trainers_sampling_phase():
     """With sampler="vllm" the engine's own share holds its KV cache: the trainer holds only what is
-    resident while sampling, and the training and optimizer phases are unchanged."""
+    resident while sampling, and the training and optimizer phases lose only what our CUDA-graph decoder
+    keeps for the run on a GPU (its KV cache and step buffers)."""
     plan = MemoryPlan(lora=LoRA(r=8))
     workload = Workload(prompts_per_step=4, group_size=8, prompt_tokens=64, completion_tokens=2048)
     ours, engine = (estimate_memory(LLAMA, plan, workload, sampler=s) for s in ("ours", "vllm"))
     resident = sum(ours.parts[k] for k in ("weights", "adapters", "optimizer_state", "reference_copy"))
     assert ours.phases["sampling"] > resident + ours.parts["kv_cache"] > resident
     assert engine.phases["sampling"] == resident and engine.parts["kv_cache"] == 0
-    assert engine.phases["training"] == ours.phases["training"]
-    assert engine.phases["optimizer"] == ours.phases["optimizer"]
+    kept = ours.parts["kept_decoder"]
+    assert kept == ours.parts["kv_cache"] + ours.parts["sampling_logits"] > 0
+    assert engine.parts["kept_decoder"] == 0
+    assert engine.phases["training"] == ours.phases["training"] - kept
+    assert engine.phases["optimizer"] == ours.phases["optimizer"] - kept
     with pytest.raises(ValueError, match="sampler='sglang'.*'ours'.*'vllm'"):
         estimate_memory(LLAMA, plan, workload, sampler="sglang")
+
+
+def test_the_cuda_graph_decoder_is_counted_in_every_phase_on_a_gpu_only():
+    """A GPU's CUDA-graph decoding keeps its KV cache for the run; the CPU's dynamic loop and a plan that
+    decodes without graphs free it after sampling."""
+    workload = Workload(prompts_per_step=4, group_size=8, prompt_tokens=64, completion_tokens=512)
+    gpu = estimate_memory(LLAMA, MemoryPlan(), workload)
+    cpu = estimate_memory(LLAMA, MemoryPlan(), workload, device="cpu")
+    static = estimate_memory(LLAMA, MemoryPlan(decoding="static"), workload)
+    assert cpu.parts["kept_decoder"] == static.parts["kept_decoder"] == 0 < gpu.parts["kept_decoder"]
+    for phase in ("training", "optimizer"):
+        assert gpu.phases[phase] - static.phases[phase] == pytest.approx(gpu.parts["kept_decoder"])
+    assert gpu.phases["optimizer"] - cpu.phases["optimizer"] == pytest.approx(gpu.parts["kept_decoder"])
 
 
 def saved_activation_bytes(model, workload: Workload, plan: MemoryPlan) -> int:

@@ -5,6 +5,7 @@ shape (its transformers config), the ``MemoryPlan`` and the workload. The peak i
 
     resident  = weights + adapters + optimizer state (+ a frozen reference copy under full FT + KL)
     sampling  = resident + KV cache of B*G rows x (P + C) tokens + per-step logits [B*G, V] fp32
+                (a GPU's CUDA-graph decoder keeps both for the run: counted in every phase)
                 (+ a merged copy of the adapted weights with merge_lora_for_sampling,
                 a packed copy of the large linear weights with pack_weights_for_sampling: kept in
                 every phase under unmerged LoRA, whose frozen base is packed once)
@@ -322,8 +323,14 @@ def estimate_memory(model: Any, plan: MemoryPlan, workload: Workload, *, ranks: 
         if plan.pack_weights_for_sampling else 0
     # the frozen base of unmerged LoRA stays packed between sampling calls: in every phase
     kept_packs = parts["packed_weights"] if plan.lora is not None and not plan.merge_lora_for_sampling else 0
+    # a GPU's CUDA-graph decoding keeps its decoder for the run (the graphs hold their buffers' addresses):
+    # its KV cache and the step's buffers in the graphs' pool stay allocated while training
+    graphs = (plan.decoding == "cuda_graph" or plan.decoding == "auto" and device == "cuda") and \
+        not plan.merge_lora_for_sampling
+    parts["kept_decoder"] = parts["kv_cache"] + parts["sampling_logits"] if graphs else 0
+    kept_packs += parts["kept_decoder"]
     if sampler == "vllm":  # the engine's own share holds its weights and KV cache; no forward pass here
-        parts.update(kv_cache=0, sampling_logits=0, merged_weights=0, packed_weights=0)
+        parts.update(kv_cache=0, sampling_logits=0, merged_weights=0, packed_weights=0, kept_decoder=0)
         kept_packs = 0
         sampling = resident + gathered
     else:
