@@ -126,9 +126,8 @@ class GRPOTrainer:
         if saved is not None:  # into the whole model, before the strategy shards it
             checkpoint.load_weights(self.model, saved[0])
         self.parallel.prepare(self.model)
-        self.optimizer = build_optimizer(
-            self.model, memory, learning_rate=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay)
+        self.optimizer = build_optimizer(self.model, memory, learning_rate=cfg.learning_rate,
+            betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
             cfg, step, self.state.train_seconds, self.state.planned_steps))  # warm-up, then steps or seconds
         self.gradients = PolicyGradient(self.model, self.loss, memory, self.parallel,
@@ -337,7 +336,8 @@ class GRPOTrainer:
             max_completion_tokens=cfg.max_completion_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, share_prompt=memory.share_prompt, merge_lora=memory.merge_lora_for_sampling,
             decoding=memory.decoding, pack_weights=memory.pack_weights_for_sampling,
-            compiled_products=memory.compiled_products_for_sampling, return_logprobs=reads_logprobs)
+            compiled_products=memory.compiled_products_for_sampling, return_logprobs=reads_logprobs,
+            compile_step=memory.compile_decoding)
         exact_forward = memory.lora is None or memory.lora.dropout == 0  # no dropout: the sampling policy's
         self.old_logprobs = OldLogprobs.plan(
             updates_per_batch=cfg.updates_per_batch, exact_forward=exact_forward,

@@ -292,3 +292,21 @@ def test_the_sampler_keeps_one_decoder_for_the_run(monkeypatch):
     assert graphs.decoding_kept is not None and graphs.last_decoding["captures"] > 0
     # merge_lora's merged weights are new tensors at every call: no decoder kept
     assert not HFSampler(lora_model(tok), tok, decoding="cuda_graph", merge_lora=True).keep_decoder
+
+
+@pytest.mark.parametrize("compile_decoding", [True, False])
+def test_the_plan_says_which_step_the_trainers_graphs_replay(tmp_path, compile_decoding):
+    """``MemoryPlan(compile_decoding=...)`` reaches the trainer's sampler: the compiled step (the default) or
+    the eager one in its CUDA graphs."""
+    from grpo_engine import GRPOConfig, GRPOTrainer, MemoryPlan
+
+    def zero(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    tok = char_tokenizer()
+    trainer = GRPOTrainer(tiny_llama(len(tok)), [zero],
+                          [Prompt("1+1", "2")] * 4, tokenizer=tok, template=PlainTemplate("{question}"),
+                          config=GRPOConfig(prompts_per_step=2, group_size=2, output_dir=str(tmp_path),
+                                            progress_bar=False),
+                          memory=MemoryPlan(compile_decoding=compile_decoding))
+    assert trainer.sampler.compile_step is compile_decoding

@@ -2,21 +2,22 @@
 
 A frozen record that ``grpo_engine.memory.apply`` turns into a prepared model and an optimizer. Fields:
 ``lora`` (peft adapters; the reference policy is then the model with its adapters disabled, no copy),
-``quantization="nf4"`` (QLoRA: a 4-bit NF4 base, double quantisation, compute in ``dtype``, fp32
-adapters), ``gradient_checkpointing``, ``offload_activations`` (saved tensors in pinned CPU memory),
-``optimizer`` (``adamw``, bitsandbytes ``adamw8bit``, or ``paged_adamw`` / ``paged_adamw8bit`` in unified
-memory), ``share_prompt`` (a group's prompt runs once: in sampling, and in training unless checkpointed),
+``quantization="nf4"`` (QLoRA: a 4-bit NF4 base, double quantisation, compute in ``dtype``, fp32 adapters),
+``gradient_checkpointing``, ``offload_activations`` (saved tensors in pinned CPU memory), ``optimizer``
+(``adamw``, bitsandbytes ``adamw8bit``, or ``paged_adamw`` / ``paged_adamw8bit`` in unified memory),
+``share_prompt`` (a group's prompt runs once: in sampling, and in training unless checkpointed),
 ``merge_lora_for_sampling`` (a temporary merged copy of the adapted float32 weights while sampling),
 ``pack_weights_for_sampling`` (CPU: the large float32 linear weights packed for oneDNN while sampling),
 ``compiled_products_for_sampling`` (CPU, compiled decoding: the step's linear products in its own loops),
 ``decoding`` (``auto``: ``cuda_graph`` on a GPU, ``dynamic`` on the CPU; or ``dynamic``, ``static``,
-``compiled``, ``cuda_graph``), ``compile_training`` (the training pass's decoder layers through
-``torch.compile``), ``micro_batch_size`` (completions per forward/backward; the accumulated
-gradient equals the one-batch gradient), ``dtype`` (base weights; adapters stay float32),
-``compute_dtype`` (mixed precision: float32 weights, gradients and AdamW states, forward passes under
-``torch.autocast``), ``logprob_chunk_size`` / ``logprob_vocab_tile`` (at most chunk x tile logits; ``auto``:
-chosen per device, small on a CPU, the fewest passes that fit on a GPU),
-``sharding`` (under torchrun: ``none``, or ``fsdp``: FSDP2 over the ranks, docs/distributed.md).
+``compiled``, ``cuda_graph``), ``compile_decoding`` (the CUDA graphs replay the compiled step, or the eager
+one), ``compile_training`` (the training pass's decoder layers through ``torch.compile``),
+``micro_batch_size`` (completions per forward/backward; the accumulated gradient equals the one-batch
+gradient), ``dtype`` (base weights; adapters stay float32), ``compute_dtype`` (mixed precision: float32
+weights, gradients and AdamW states, forward passes under ``torch.autocast``), ``logprob_chunk_size`` /
+``logprob_vocab_tile`` (at most chunk x tile logits; ``auto``: chosen per device, small on a CPU, the fewest
+passes that fit on a GPU), ``sharding`` (under torchrun: ``none``, or ``fsdp``: FSDP2 over the ranks,
+docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -137,6 +138,12 @@ class MemoryPlan(FrozenModel):
         "auto", description="Sampling's decoding path: auto (a CUDA graph over a static KV cache on a GPU, "
         "the dynamic loop that drops finished rows on the CPU), dynamic, static, "
         "compiled (torch.compile) or cuda_graph."
+    )
+    compile_decoding: bool = Field(
+        True, description="On a GPU (decoding cuda_graph, the GPU's auto): the CUDA graphs replay the "
+        "torch.compile'd decoding step (norm, RoPE, softmax and LoRA fused; it compiles at the first "
+        "sampling calls, twice per run); false: they replay the eager step (no compile time, more kernels "
+        "per token)."
     )
     compile_training: bool = Field(
         False, description="Run the decoder layers through torch.compile in the training pass (fused "
