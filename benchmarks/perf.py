@@ -121,6 +121,9 @@ class Preset:
     worker_timeout_s: float = 600.0  # ours; a fixed limit per worker
     trl_timeout_s: float | None = None  # TRL's worker (default: worker_timeout_s)
     decoding: str = "auto"  # our sampler's decoding path (MemoryPlan.decoding)
+    # a GPU's CUDA graphs replay the torch.compile'd decoding step (MemoryPlan.compile_decoding, its
+    # default): two compiles in our warm-up step; False: the eager step (no compile time)
+    compile_decoding: bool = True
     # the training forward through torch.compile: ours MemoryPlan(compile_training=True), TRL
     # torch_compile=True (transformers' Trainer compiles the model it trains)
     compile_training: bool = False
@@ -151,13 +154,14 @@ PRESETS: dict[str, Preset] = {
     # keeps what it measured. The limits, from the first run (2026-12-04, an H200): our 1.5B worker ended
     # its third step (12.7 s each) within 60 s; TRL's 0.5B worker ended two steps (13.6 s) but not three in
     # 80 s, so its imports, build and first-step overheads (Triton's JIT) took 39-53 s; TRL's 1.5B worker
-    # ended no second step in 100 s.
+    # ended no second step in 100 s. Since then our warm-up step also compiles the decoding step twice
+    # (compile_decoding, not measured on a GPU yet): our workers have 40-50 s more than their steps need.
     # Full fine-tuning in float32 master weights under bfloat16 autocast (TRL: bf16=True on a float32 model)
     "gpu-0.5b": Preset("qwen2.5-0.5b", device="cuda", dtype="float32", compute_dtype="bfloat16",
                        prompts_per_step=8, group_size=8, prompt_tokens=128, completion_tokens=512,
                        micro_batch_size=16, learning_rate=1e-6, warmup_steps=1, measured_steps=2,
                        trl_measured_steps=1, trl_warmup_completion_tokens=16, repetitions=1,
-                       worker_timeout_s=45, trl_timeout_s=70, decoding="cuda_graph"),
+                       worker_timeout_s=90, trl_timeout_s=70, decoding="cuda_graph"),
     # LoRA r16 on Qwen2.5-1.5B, 4 x 8 x 1024, under the plan `grpo-engine plan --model qwen2.5-1.5b
     # --budget-gib 8` picks (gradient checkpointing), the same plan for TRL: the 8 GiB goal and the
     # memory ratio are judged here
@@ -165,14 +169,14 @@ PRESETS: dict[str, Preset] = {
                        prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
                        lora_alpha=32.0, gradient_checkpointing=True, learning_rate=1e-5, warmup_steps=1,
                        measured_steps=2, trl_measured_steps=1, trl_warmup_completion_tokens=16, repetitions=1,
-                       worker_timeout_s=65, trl_timeout_s=100, decoding="cuda_graph"),
+                       worker_timeout_s=110, trl_timeout_s=95, decoding="cuda_graph"),
     # a 7B shape under QLoRA (ours only: --engines ours), the second run (run.sh --part 2): the 12 GiB goal
-    # is its peak, which one measured step shows
+    # is its peak, which one measured step shows; the eager step in its CUDA graphs (no compile time)
     "gpu-7b-qlora": Preset("qwen2.5-7b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
                            prompt_tokens=128, completion_tokens=1024, micro_batch_size=4, lora_r=16,
                            lora_alpha=32.0, gradient_checkpointing=True, quantization="nf4",
                            learning_rate=1e-5, warmup_steps=1, measured_steps=1, repetitions=1,
-                           worker_timeout_s=135, decoding="cuda_graph"),
+                           worker_timeout_s=110, decoding="cuda_graph", compile_decoding=False),
 }
 
 
@@ -304,7 +308,7 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
     memory = MemoryPlan(lora=lora, gradient_checkpointing=p.gradient_checkpointing,
                         quantization=p.quantization, micro_batch_size=p.micro_batch_size, dtype=p.dtype,
                         compute_dtype=p.compute_dtype, decoding=p.decoding,
-                        compile_training=p.compile_training,
+                        compile_decoding=p.compile_decoding, compile_training=p.compile_training,
                         pack_weights_for_sampling=p.pack_weights_for_sampling,
                         compiled_products_for_sampling=p.compiled_products_for_sampling)
     predicted = estimate_memory(model.config, memory, Workload(
@@ -674,7 +678,7 @@ def stage_limit(p: Preset, engines: tuple[str, ...]) -> int:
 
     Example:
         >>> stage_limit(PRESETS["gpu-0.5b"], ("ours", "trl"))
-        120
+        165
     """
     return int(sum(worker_limit(p, e) for e in engines) * p.repetitions) + 5
 

@@ -24,10 +24,9 @@ import summary  # noqa: E402
 
 FILES = {"run.log", "timeline.jsonl", "preflight.json", "decode_check.json", "gpu-1.5b.json", "gpu-0.5b.json",
          "gpu-7b-qlora.json", "head_pass.json", "summary.txt"}
-PART_1 = {"run.log", "timeline.jsonl", "preflight.json", "gpu-0.5b.json", "gpu-1.5b.json", "head_pass.json",
-          "summary.txt"}  # what the device tool returns: at most 8 files
-PART_2 = {"run.log", "timeline.jsonl", "preflight.json", "gpu-7b-qlora.json", "decode_check.json",
-          "summary.txt"}
+PART_1 = {"run.log", "timeline.jsonl", "preflight.json", "gpu-0.5b.json", "head_pass.json", "gpu-1.5b.json",
+          "decode_check.json", "summary.txt"}  # what the device tool returns: at most 8 files
+PART_2 = {"run.log", "timeline.jsonl", "preflight.json", "gpu-1.5b.json", "gpu-7b-qlora.json", "summary.txt"}
 
 
 def run_script(out: Path, *args: str, extra_path: str | None = None, **env_extra: str
@@ -52,8 +51,8 @@ def test_the_smoke_run_writes_every_file_the_gpu_run_returns(smoke):
     assert {p.name for p in out.iterdir()} == FILES  # nothing but the expected files
     assert len(PART_1) <= 8 and len(PART_2) <= 8 and PART_1 | PART_2 == FILES
     stages = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
-    assert [s["stage"] for s in stages] == ["preflight", "gpu-0.5b", "gpu-1.5b", "head-pass", "gpu-7b-qlora",
-                                            "decode-all", "summary"]
+    assert [s["stage"] for s in stages] == ["preflight", "gpu-0.5b", "head-pass", "gpu-1.5b",
+                                            "gpu-7b-qlora/ours", "decode-all", "summary"]
     for s in stages:  # each stage ended within its limit, in order
         assert s["rc"] == 0 and 0 <= s["end_s"] - s["start_s"] <= s["limit_s"], s
     head = json.loads((out / "head_pass.json").read_text())
@@ -182,20 +181,23 @@ def test_the_first_run_fits_420_s_with_install_and_preflight_and_both_fit_12_min
     import perf
 
     first, second = _plan("1"), _plan("2")
-    assert [name for name, _ in first] == ["install", "preflight", "gpu-0.5b", "gpu-1.5b", "head-pass",
-                                           "summary"]  # goal-critical workers first
-    assert [name for name, _ in second] == ["install", "preflight", "gpu-7b-qlora", "decode-all", "summary"]
+    assert [name for name, _ in first] == ["install", "preflight", "gpu-0.5b", "head-pass", "gpu-1.5b/ours",
+                                           "decode-agreement", "summary"]  # goal-critical workers first
+    assert [name for name, _ in second] == ["install", "preflight", "gpu-1.5b/trl", "gpu-7b-qlora/ours",
+                                            "summary"]
     assert sum(limit for _, limit in first) <= 420, first
-    assert sum(limit for _, limit in second) <= 250, second
+    assert sum(limit for _, limit in second) <= 270, second
     assert sum(limit for _, limit in first + second) <= 12 * 60
-    for name, limit in first + second:  # a preset's stage holds every worker's fixed limit and the parent
-        if name.startswith("gpu-"):
+    for stage, limit in first + second:  # a preset's stage holds every worker's fixed limit and the parent
+        if stage.startswith("gpu-"):
+            name, _, engines = stage.partition("/")
+            engines = tuple((engines or "ours,trl").split(","))
             p = perf.PRESETS[name]
-            engines = ("ours",) if p.quantization else ("ours", "trl")
             assert limit == perf.stage_limit(p, engines) == sum(perf.worker_limit(p, e) for e in engines) + 5
             assert p.warmup_steps == 1 and p.decoding == "cuda_graph" and p.repetitions == 1
-            if "trl" in engines:  # TRL: a short warm-up, one measured step; ours: two measured steps
+            if name != "gpu-7b-qlora":  # TRL: a short warm-up, one measured step; ours: two measured steps
                 assert (p.trl_measured_steps, p.trl_warmup_completion_tokens, p.measured_steps) == (1, 16, 2)
+                assert p.compile_decoding  # our default decoding, its compiles inside the warm-up's limit
 
 
 def test_a_plan_over_its_budget_fails_the_dry_run(tmp_path):
@@ -390,3 +392,26 @@ def test_a_kept_run_gives_its_figures_and_its_block(smoke, tmp_path):
     assert "**2026-12-07, " in block and "| gpu-1.5b | ours / TRL |" in block
     assert "Earlier runs: [2026-12-04-h200]" in block
     assert "| smoke-float32: 48 tokens x 64, trained head |" in block
+
+
+def test_the_table_joins_the_engines_a_preset_ran_in_two_parts(smoke, tmp_path):
+    """gpu-1.5b runs ours in part 1 and TRL in part 2: each part's gpu-1.5b.json holds one engine; the
+    kept figures hold both, and the goals that need both are judged."""
+    import table
+
+    out, _ = smoke
+    report = json.loads((out / "gpu-1.5b.json").read_text())
+    parts = [tmp_path / "part1", tmp_path / "part2"]
+    for part, keep in zip(parts, ("ours", "trl")):
+        part.mkdir()
+        alone = {**report, "ours": None, "trl": None, keep: report[keep], "errors": []}
+        (part / "gpu-1.5b.json").write_text(json.dumps(alone))
+        (part / "preflight.json").write_text((out / "preflight.json").read_text())
+    f = table.extract(parts, "2026-12-07")
+    joined = f["presets"]["gpu-1.5b"]
+    assert joined["ours"]["step_s"] == report["ours"]["step_s"]
+    assert joined["trl"]["step_s"] == report["trl"]["step_s"]
+    judged = {text: value for text, value, _ in table.goals(f)}
+    ratio = report["ratio_loss_backward"]
+    assert judged["loss + backward ours / TRL <= 0.8, gpu-1.5b"] == pytest.approx(ratio)
+    assert "note" not in f  # both parts on the same device

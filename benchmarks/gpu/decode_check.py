@@ -2,7 +2,8 @@
 
     python benchmarks/gpu/decode_check.py [--cpu] [--part agreement|speed|all] [--out decode_check.json]
 
-1. Agreement, in float32 on a Qwen2.5-0.5B-shaped random model (the smoke shape on the CPU): greedy
+1. Agreement, in float32 on a Qwen2.5-0.5B-shaped random model (``--shape``; the smoke shape on the CPU,
+   and in the GPU run, whose time plan has no room for compiling a 24-layer step once more): greedy
    completions of ragged prompts, with an EOS that rows reach at different steps, from the dynamic
    loop, the static path and (on a GPU) the CUDA-graph replay: the same tokens, and log-probs that
    differ by float rounding only. A CUDA graph that could not be captured fails the check (the
@@ -73,7 +74,7 @@ def _prompts(shape: str, device: str, count: int, width: int):
 
 
 @torch.no_grad()
-def agreement(shape: str, device: str, paths: list[str]) -> dict:
+def agreement(shape: str, device: str, paths: list[str], new_tokens: int = 24) -> dict:
     model = build_model(shape, dtype="float32", device=device)
     ids, mask = _prompts(shape, device, 4, 24)
     free, _ = decode(model, ids, mask, repeats=1, max_new_tokens=12, eos_ids=[-1], pad_id=0,
@@ -82,7 +83,8 @@ def agreement(shape: str, device: str, paths: list[str]) -> dict:
     out, infos = {}, {}
     for path in paths:
         infos[path] = {}
-        out[path] = _run(path, model, ids, mask, infos[path], repeats=2, max_new_tokens=24, eos_ids=[eos],
+        out[path] = _run(path, model, ids, mask, infos[path], repeats=2, max_new_tokens=new_tokens,
+                         eos_ids=[eos],
                          pad_id=0, draw=TokenDraw(greedy=True, logprobs=True))
     base_ids, base_lp = out["dynamic"]
     return {"paths": paths, "eos_rows": int((base_ids == eos).any(1).sum()), "rows": int(base_ids.shape[0]),
@@ -121,13 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="the CPU smoke run (smoke shape, no CUDA graph)")
     parser.add_argument("--part", choices=("agreement", "speed", "all"), default="all")
+    parser.add_argument("--shape", help="the agreement's model (default: qwen2.5-0.5b; smoke on the CPU)")
+    parser.add_argument("--new-tokens", type=int, default=24,
+                        help="the agreement's tokens per row (past 104, a GPU's graphs cross a width bucket)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu else "cuda"
     paths = _paths(device)
     result: dict = {"device": device, "times": {"imported_s": _since_start()}, "ok": True}
     if args.part in ("agreement", "all"):
-        result["ok"] = _agreement_part(result, args.cpu, device, paths)
+        shape = args.shape or ("smoke" if args.cpu else "qwen2.5-0.5b")
+        result["ok"] = _agreement_part(result, shape, device, paths, args.new_tokens)
         if args.out is not None:
             args.out.write_text(json.dumps(result, indent=1))
     if args.part in ("speed", "all"):
@@ -144,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["ok"] else 1
 
 
-def _agreement_part(result: dict, cpu: bool, device: str, paths: list[str]) -> bool:
+def _agreement_part(result: dict, shape: str, device: str, paths: list[str], new_tokens: int) -> bool:
     """Part 1 into ``result``; whether every path drew the same tokens and the graph was captured."""
-    result["agreement"] = agreement("smoke" if cpu else "qwen2.5-0.5b", device, paths)
+    result["agreement"] = agreement(shape, device, paths, new_tokens)
+    result["agreement"].update(shape=shape, new_tokens=new_tokens)
     result["times"]["agreement_s"] = _since_start()
     a = result["agreement"]
     print(f"decode check: same tokens {a['same_tokens']}, max log-prob difference "

@@ -151,6 +151,10 @@ def summarize(out: Path) -> str:
                          f"{_f(report.get('ratio_loss_backward'))}, peak allocated "
                          f"{report['ratio_peak_memory']:.2f}, generation tokens/s "
                          f"{_f(report.get('ratio_generation_tokens_per_s'))}")
+        alone = [e for e in ("ours", "trl") if report.get(e)] if preset != "gpu-7b-qlora" else []
+        if len(alone) == 1 and report.get("device") == "cuda" and not report.get("errors"):
+            lines.append(f"{'':14}NOTE: only {alone[0]} in this run (gpu-1.5b: ours in part 1, TRL in "
+                         "part 2); benchmarks/gpu/table.py --keep joins the parts and judges what needs both")
         partial = [e for e in ("ours", "trl") if (report.get(e) or {}).get("partial")]
         if partial:
             steps = ", ".join(f"{report[e]['measured_steps']} measured step(s) of {e}" for e in partial)

@@ -98,14 +98,32 @@ def _wall_s(run_dirs: list[Path]) -> int:
     return total
 
 
+def _presets(run_dirs: list[Path]) -> tuple[dict, dict]:
+    """Each preset's engines, joined over the runs' parts (gpu-1.5b runs ours in part 1, TRL in part 2),
+    and the first preset report found (for the versions)."""
+    joined: dict = {}
+    first: dict = {}
+    for d in run_dirs:
+        for name in PRESETS:
+            r = _load(d / f"{name}.json")
+            if r is None:
+                continue
+            first = first or r
+            p = joined.setdefault(name, {"ours": None, "trl": None, "errors": []})
+            for engine in ("ours", "trl"):
+                p[engine] = p[engine] or _engine(r.get(engine))
+            p["errors"] += [e.splitlines()[0] for e in r.get("errors", [])]
+    return joined, first
+
+
 def extract(run_dirs: list[Path], date: str) -> dict:
     """The figures of one device run (its parts' ``$OUT`` folders, in order)."""
     preflight = next((p for d in run_dirs if (p := _load(d / "preflight.json"))), {})
-    reports = {p: r for d in run_dirs for p in PRESETS if (r := _load(d / f"{p}.json")) is not None}
-    first = next(iter(reports.values()), {})
+    presets, first = _presets(run_dirs)
     carried = {k: v for k, v in preflight.get("versions", {}).items()
                if k in ("trl", "bitsandbytes", "liger-kernel", "triton")}
     head = next((h for d in run_dirs if (h := _load(d / "head_pass.json")) is not None), None)
+    devices = {x.get("gpu") for d in run_dirs if (x := _load(d / "preflight.json"))} - {None}
     return {
         "source": "benchmarks/gpu/run.sh --part 1 / --part 2 on the device; its files in part-<n>/",
         "date": date, "device": preflight.get("gpu") or first.get("hardware") or "unknown",
@@ -114,11 +132,9 @@ def extract(run_dirs: list[Path], date: str) -> dict:
         "versions": {**first.get("versions", {}), **carried},
         "ceilings": {"matmul_tflops": preflight.get("matmul_tflops"),
                      "copy_gb_per_s": preflight.get("copy_gb_per_s")},
-        "presets": {name: {"ours": _engine(r.get("ours")), "trl": _engine(r.get("trl")),
-                           "errors": [e.splitlines()[0] for e in r.get("errors", [])]}
-                    for name, r in reports.items()},
-        "decode_check": _decode_check(run_dirs),
+        "presets": presets, "decode_check": _decode_check(run_dirs),
         "head_pass": _head_pass(head) if head is not None else None,
+        **({"note": f"the parts ran on different devices: {sorted(devices)}"} if len(devices) > 1 else {}),
     }
 
 
