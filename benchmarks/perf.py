@@ -161,7 +161,7 @@ PRESETS: dict[str, Preset] = {
                        prompts_per_step=8, group_size=8, prompt_tokens=128, completion_tokens=512,
                        micro_batch_size=16, learning_rate=1e-6, warmup_steps=1, measured_steps=2,
                        trl_measured_steps=1, trl_warmup_completion_tokens=16, repetitions=1,
-                       worker_timeout_s=90, trl_timeout_s=70, decoding="cuda_graph"),
+                       worker_timeout_s=85, trl_timeout_s=70, decoding="cuda_graph"),
     # LoRA r16 on Qwen2.5-1.5B, 4 x 8 x 1024, under the plan `grpo-engine plan --model qwen2.5-1.5b
     # --budget-gib 8` picks (gradient checkpointing), the same plan for TRL: the 8 GiB goal and the
     # memory ratio are judged here
@@ -678,7 +678,7 @@ def stage_limit(p: Preset, engines: tuple[str, ...]) -> int:
 
     Example:
         >>> stage_limit(PRESETS["gpu-0.5b"], ("ours", "trl"))
-        165
+        160
     """
     return int(sum(worker_limit(p, e) for e in engines) * p.repetitions) + 5
 

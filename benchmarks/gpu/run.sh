@@ -165,7 +165,7 @@ decode() {  # decode PART GPU_LIMIT SMOKE_LIMIT [ARGS...]
 
 case $PART in
   1) preset gpu-0.5b ours,trl; head_pass; preset gpu-1.5b ours
-     decode agreement 20 90 --shape smoke --new-tokens 160 ;;
+     decode agreement 25 90 --shape smoke --new-tokens 160 ;;
   2) preset gpu-1.5b trl; preset gpu-7b-qlora ours nf4 ;;
   all) preset gpu-0.5b ours,trl; head_pass; preset gpu-1.5b ours,trl; preset gpu-7b-qlora ours nf4
        decode all 20 90 ;;
