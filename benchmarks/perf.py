@@ -124,6 +124,9 @@ class Preset:
     # a GPU's CUDA graphs replay the torch.compile'd decoding step (MemoryPlan.compile_decoding, its
     # default): two compiles in our warm-up step; False: the eager step (no compile time)
     compile_decoding: bool = True
+    # ours: the log-prob pass's chunks and tiles fitted into this memory budget (GiB) as `grpo-engine plan
+    # --budget-gib` fits them (its 15% margin); None: MemoryPlan's "auto" for the device
+    budget_gib: float | None = None
     # the training forward through torch.compile: ours MemoryPlan(compile_training=True), TRL
     # torch_compile=True (transformers' Trainer compiles the model it trains)
     compile_training: bool = False
@@ -169,7 +172,7 @@ PRESETS: dict[str, Preset] = {
                        prompt_tokens=128, completion_tokens=1024, micro_batch_size=8, lora_r=16,
                        lora_alpha=32.0, gradient_checkpointing=True, learning_rate=1e-5, warmup_steps=1,
                        measured_steps=2, trl_measured_steps=1, trl_warmup_completion_tokens=16, repetitions=1,
-                       worker_timeout_s=110, trl_timeout_s=95, decoding="cuda_graph"),
+                       worker_timeout_s=110, trl_timeout_s=95, decoding="cuda_graph", budget_gib=8.0),
     # a 7B shape under QLoRA (ours only: --engines ours), the second run (run.sh --part 2): the 12 GiB goal
     # is its peak, which one measured step shows; the eager step in its CUDA graphs (no compile time)
     "gpu-7b-qlora": Preset("qwen2.5-7b", device="cuda", dtype="bfloat16", prompts_per_step=4, group_size=8,
@@ -311,9 +314,13 @@ def run_ours(p: Preset, workdir: str, progress=lambda raw: None) -> dict:
                         compile_decoding=p.compile_decoding, compile_training=p.compile_training,
                         pack_weights_for_sampling=p.pack_weights_for_sampling,
                         compiled_products_for_sampling=p.compiled_products_for_sampling)
-    predicted = estimate_memory(model.config, memory, Workload(
-        prompts_per_step=p.prompts_per_step, group_size=p.group_size, prompt_tokens=p.prompt_tokens,
-        completion_tokens=p.completion_tokens, kl=p.kl_coef > 0))
+    workload = Workload(prompts_per_step=p.prompts_per_step, group_size=p.group_size, kl=p.kl_coef > 0,
+                        prompt_tokens=p.prompt_tokens, completion_tokens=p.completion_tokens)
+    if p.budget_gib is not None:  # the chunks and tiles the plan for that budget takes
+        fitted = estimate_memory(model.config, memory, workload, device=p.device,
+                                 budget_bytes=p.budget_gib / 1.15 * 2**30).logprob_granularity
+        memory = memory.model_copy(update=dict(zip(("logprob_chunk_size", "logprob_vocab_tile"), fitted)))
+    predicted = estimate_memory(model.config, memory, workload, device=p.device)
     loss = ClippedSurrogate(clip_eps_low=0.2, kl_coef=p.kl_coef, aggregation="sequence")
     trainer = GRPOTrainer(model, [HashReward()], [Prompt(t) for t in texts], config, memory,
                           tokenizer=tokenizer, advantage=GroupNormalized(eps=trl.ADVANTAGE_EPS), loss=loss,
