@@ -237,16 +237,6 @@ class RolloutBatch:
         """[N, T] True on real prompt tokens and on kept completion tokens."""
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
-    def trimmed(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(prompt_ids, prompt_mask, completion_ids, completion_mask)`` of ``rows`` without the
-        columns that are padding in every one of those rows (left for prompts, right for completions)."""
-        prompt_mask = self.prompt_mask[rows]
-        completion_mask = self.completion_mask[rows]
-        first = int(prompt_mask.any(dim=0).long().argmax())  # first prompt column any row uses
-        width = max(1, int(completion_mask.sum(dim=1).max()))
-        return (self.prompt_ids[rows, first:], prompt_mask[:, first:], self.completion_ids[rows, :width],
-                completion_mask[:, :width])
-
     def select_groups(self, groups: Tensor) -> RolloutBatch:
         """The batch of the groups ``groups`` (indices into B), in that order."""
         g = self.group_size
