@@ -8,17 +8,21 @@ then the model's turns and the environment's messages one after another. Each tu
    token budget. The sampled ids are kept as sampled, never decoded and re-encoded.
 2. Its text is parsed for tool calls. None: the row is done (the model answered). Otherwise the calls
    run (:func:`~grpo_engine.tools.functions.call_tools`: a time limit per call, errors and long results
-   reported) and the tools' messages are appended as the chat template's own ids for them: the text the
-   template writes after an assistant turn (its end-of-turn marker, unless the model sampled it as its
-   EOS), the tool messages and the next generation prompt, tokenised alone. Those tokens are marked in
-   ``env_mask``: attended to, never trained on.
+   reported, one environment's methods never at the same time) and the tools' messages are appended as
+   the chat template's own ids for them (:mod:`~grpo_engine.tools.messages`): the frame the template
+   writes after an assistant turn (its end-of-turn marker, unless the model sampled it as its EOS),
+   around each tool message and through the next generation prompt, found by rendering the template
+   with placeholders, with special tokens; each tool's text tokenised as text, so nothing a tool prints
+   becomes a special token. Those tokens are marked in ``env_mask``: attended to, never trained on.
 
 Limits: ``max_turns`` model turns (a row that still calls a tool in its last turn stops there, counted in
 ``turns/limit_reached``); the sampler's ``max_completion_tokens`` for the whole rollout, model and
 environment tokens together (a row that runs out is truncated); ``tool_timeout_s`` and ``max_tool_chars``
-per call. The step logs ``tools/calls``, ``tools/errors``, ``tools/timeouts``, ``tools/cut_outputs``,
-``turns/limit_reached`` and ``turns/mean``. Each turn's draws are seeded by the call's seed and the turn,
-and keyed by the row's place in the whole step, so K ranks sample what one process samples.
+per call. A row whose environment's call timed out ends there (the call may still be changing the
+environment; ``turns/ended_by_timeout``). The step logs ``tools/calls``, ``tools/errors``,
+``tools/timeouts``, ``tools/cut_outputs``, ``turns/limit_reached``, ``turns/ended_by_timeout`` and
+``turns/mean``. Each turn's draws are seeded by the call's seed and the turn, and keyed by the row's
+place in the whole step, so K ranks sample what one process samples.
 """
 
 from __future__ import annotations
@@ -34,13 +38,19 @@ from torch import Tensor
 from grpo_engine.data.templates import ChatTemplate
 from grpo_engine.sampling.decode import decode, is_decoder_lm, seeded_rng
 from grpo_engine.sampling.hf import HFSampler
-from grpo_engine.tools.functions import Tool, as_tool, call_tools, environment_tools, reset_environment
+from grpo_engine.tools.functions import (
+    Tool,
+    as_tool,
+    call_tools,
+    ends_rollout,
+    environment_tools,
+    reset_environment,
+)
+from grpo_engine.tools.messages import environment_ids
 from grpo_engine.tools.parsers import HermesParser, ToolCallParser
 from grpo_engine.types import Draws, Episode, Prompt, RolloutBatch
 
 __all__ = ["ToolSampler", "with_tools"]
-
-_TURN = "\ue000grpo-engine-turn\ue000"  # stands for an assistant turn's text when the template is rendered
 
 
 @dataclasses.dataclass
@@ -157,16 +167,12 @@ class ToolSampler:
         return self.base.encode_text(self._render(self.messages(prompt)))
 
     def env_tokens(self, messages: list[dict[str, Any]], tool_messages: list[dict[str, Any]], *,
-                   after_eos: bool) -> list[int]:
+                   sampled_eos: int | None = None) -> list[int]:
         """The chat template's ids for ``tool_messages`` after an assistant turn of the conversation
-        ``messages``: what the template writes after the turn's text, through the next generation
-        prompt; without the turn's end marker's EOS when the model sampled it (``after_eos``)."""
-        text = self._render([*messages, {"role": "assistant", "content": _TURN}, *tool_messages])
-        after = text[text.rindex(_TURN) + len(_TURN):]
-        eos = self.tokenizer.decode([self.base.eos_ids[0]])
-        if after_eos and eos and after.startswith(eos):
-            after = after[len(eos):]
-        return self.tokenizer(after, add_special_tokens=False)["input_ids"]
+        ``messages``, through the next generation prompt: the frame's ids as the template's, each content
+        tokenised as text (:func:`~grpo_engine.tools.messages.environment_ids`); without the turn's end
+        marker when the model sampled it as its EOS (``sampled_eos``)."""
+        return environment_ids(self._render, self.tokenizer, messages, tool_messages, sampled_eos=sampled_eos)
 
     # -- sampling --------------------------------------------------------------------------------
 
@@ -180,7 +186,7 @@ class ToolSampler:
         draws = draws if draws is not None else Draws.seeded()
         rows = [self._start(p) for p in prompts for _ in range(group_size)]
         counts = dict.fromkeys(("tools/calls", "tools/errors", "tools/timeouts", "tools/cut_outputs",
-                                "turns/limit_reached"), 0.0)
+                                "turns/limit_reached", "turns/ended_by_timeout"), 0.0)
         model = self.base.model
         was_training = model.training
         model.eval()
@@ -197,7 +203,8 @@ class ToolSampler:
 
     def _start(self, prompt: Prompt) -> _Row:
         environment = self.environment_factory() if self.environment_factory is not None else None
-        observation = reset_environment(environment, prompt) if environment is not None else None
+        observation = (reset_environment(environment, prompt, timeout_s=self.tool_timeout_s)
+                       if environment is not None else None)
         messages = self.messages(prompt, observation)
         tools = {t.name: t for t in self.tools + (environment_tools(environment) if environment else [])}
         ids = self.base.encode_text(self._render(messages))
@@ -289,7 +296,12 @@ class ToolSampler:
             counts["tools/timeouts"] += sum(a.status == "timeout" for a in answers)
             counts["tools/cut_outputs"] += sum(a.cut for a in answers)
             row.said += replies
-            written = self.env_tokens(row.messages, replies, after_eos=row.ended_with_eos)
+            if any(ends_rollout(row.tools, call, answer) for call, answer in zip(calls, answers)):
+                row.done = True  # its environment may still change: no more calls, no more turns
+                counts["turns/ended_by_timeout"] += 1.0
+                continue
+            eos = row.ids[-1] if row.ended_with_eos else None
+            written = self.env_tokens(row.messages, replies, sampled_eos=eos)
             if len(row.ids) + len(written) >= self.base.max_completion_tokens:  # no room left to answer
                 row.done = row.truncated = True
                 continue
