@@ -16,7 +16,6 @@ from grpo_engine.gradients import PolicyGradient
 from grpo_engine.logprobs import completion_logprobs
 from grpo_engine.losses import ClippedSurrogate
 from grpo_engine.memory.plan import MemoryPlan
-from grpo_engine.rewards import CodeTests
 from grpo_engine.sampling.hf import HFSampler
 from grpo_engine.sandbox import sandbox_available
 from grpo_engine.tools import CodeBlockParser, HermesParser, ToolSampler, as_tool, call_tools, python_tool
@@ -396,34 +395,3 @@ def test_the_python_tool_runs_the_models_program_in_the_sandbox(monkeypatch):
     assert python(code="1 / 0").endswith("ZeroDivisionError: division by zero")
     assert python(code="while True: pass").endswith("[stopped: timeout]")
     assert python(code="print('x' * 10000)").endswith("[cut]")
-
-
-@needs_sandbox
-def test_code_tests_scores_the_fraction_passed_and_counts_every_failure_kind():
-    tests = ["assert f(2) == 4", "assert f(0) == 0", "assert f(-1) == -2", "assert g() == 1"]
-    task = Prompt("Write f(x) that doubles x.", metadata={"tests": tests})
-    reward = CodeTests(timeout_s=3)
-    completions = [
-        "Here:\n```python\ndef f(x):\n    return 2 * x\n```",  # 3 pass, g undefined: an exception
-        "def f(x):\n    return x + 2",  # f(0) and f(-1) fail their asserts; g: an exception
-        "def f(x) return 2x",  # does not compile
-        "import sys\nsys.exit(0)",  # exits with status 0 before any test: passes nothing
-        "print('0 passed')\nwhile True: pass",  # a forged line, then a hang
-        "",
-    ]
-    scores = reward([task] * len(completions), completions)
-    assert scores.tolist() == [0.75, 0.25, 0.0, 0.0, 0.0, 0.0]
-    assert reward.batch_metrics() == {"assertion": 2.0, "error": 4.0, "exception": 2.0, "no_code": 4.0,
-                                      "passed": 4.0, "syntax": 4.0, "timeout": 4.0}
-    assert reward.check(Prompt("q")) is not None and reward.check(task) is None
-    from grpo_engine.rewards import WeightedSum
-    from grpo_engine.types import RolloutBatch
-
-    batch = RolloutBatch(prompts=(task,), group_size=2, prompt_ids=torch.zeros(2, 1, dtype=torch.long),
-                         prompt_mask=torch.ones(2, 1, dtype=torch.bool),
-                         completion_ids=torch.zeros(2, 1, dtype=torch.long),
-                         completion_mask=torch.ones(2, 1, dtype=torch.bool),
-                         is_truncated=torch.zeros(2, dtype=torch.bool), texts=tuple(completions[:2]))
-    out = WeightedSum([reward])(batch)
-    assert out.metrics == {"reward/code_tests/assertion": 2.0, "reward/code_tests/exception": 2.0,
-                           "reward/code_tests/passed": 4.0}
