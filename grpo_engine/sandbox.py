@@ -1,17 +1,22 @@
 """Running a program a model wrote, isolated from the trainer: ``run_python(code, ...)``.
 
-Each program runs in its own process inside bubblewrap (``bwrap``, Debian / Ubuntu package
-``bubblewrap``): new user, PID, network, mount, IPC and UTS namespaces, all capabilities dropped, a new
-session (no terminal), an empty environment, a read-only view of the Python installation and the
-system libraries, an empty ``/tmp``, and one scratch directory it may write (``/scratch``, its working
-directory, deleted afterwards). Around it, limits the kernel enforces: CPU seconds, address space
-(memory), file size, open files, no core dumps (``setrlimit``); the number of processes and threads
-(a ``pids`` cgroup, or for a user who is not root ``RLIMIT_NPROC``);
-and, from here, wall time and output size.
+Each program runs in its own process inside bubblewrap (``bwrap`` >= 0.5, Debian / Ubuntu package
+``bubblewrap``): new user, PID, network, mount, IPC, UTS and cgroup namespaces, no nested user namespace
+(bwrap >= 0.8), all capabilities dropped, a new session, an empty environment, a read-only view of the
+Python installation and the system libraries, and three sized tmpfs mounts it may write: ``/scratch`` (its
+working directory, holding ``main.py``), ``/tmp`` and ``/dev/shm``. Nothing of it touches the host's disk.
 
-Fail closed: without bwrap, or without a way to cap the number of processes (root without a
-writable ``pids`` cgroup), :func:`run_python` refuses with :class:`SandboxUnavailable` and says
-what to install. docs/sandbox.md lists each threat and where it is stopped.
+Limits for the whole program, not per process: a cgroup per run (:mod:`grpo_engine.cgroup`, v2 or v1)
+bounds the memory of all its processes together, tmpfs files and memfds included, and the number of its
+processes and threads. Where no cgroup can be made, a user who is not root gets per-process bounds
+(``RLIMIT_AS``; ``RLIMIT_NPROC`` counted inside the run's own user namespace) and the result's ``limits``
+says so; root, for whom ``RLIMIT_NPROC`` does not hold, is refused with the reason and the fix. Around
+both: CPU seconds, file size, open files, no core dumps (``setrlimit``), and from here wall time, output
+size and stdin, all under one timeout.
+
+The stop reason is what the supervisor observed: the kernel's counts in the run's cgroup (out-of-memory
+kills, refused forks, CPU time), the CPU time of the reaped processes, and the kills it sent itself;
+never the program's output or its exit status. docs/sandbox.md lists each threat and its test.
 
 Example:
     >>> # run_python("print(6 * 7)", timeout_s=5).stdout
@@ -20,27 +25,52 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
-import uuid
 from pathlib import Path
 
-__all__ = ["SandboxResult", "SandboxUnavailable", "run_python", "sandbox_available"]
+from grpo_engine import cgroup
+from grpo_engine.supervisor import Watch, supervise
 
-_PIDS_V1 = Path("/sys/fs/cgroup/pids")
+__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_python", "sandbox_available"]
 
 
 class SandboxUnavailable(RuntimeError):
     """The isolation the sandbox needs is not available on this machine (the message says what to do)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Which bounds held for one run, and the most memory its whole program could hold under them.
+
+    Attributes:
+        memory: ``"cgroup v2"`` / ``"cgroup v1"``: one budget, ``memory_mb``, for every process and thread
+            of the program, its tmpfs files, memfds and kernel memory; ``"rlimit"``: address space per
+            process (``RLIMIT_AS`` = ``memory_mb``).
+        processes: ``"cgroup v2"`` / ``"cgroup v1"`` (``pids.max``), or ``"rlimit"`` (``RLIMIT_NPROC``
+            counted in the run's own user namespace, Linux >= 5.14; older kernels count every task of
+            the user, so the program can start none).
+        memory_bound_mb: the most the whole program can hold: ``memory_mb`` under a cgroup; under rlimits
+            ``max_processes * memory_mb`` (address space) ``+ 3 * tmpfs_mb`` (the tmpfs mounts)
+            ``+ max_processes * open_files * max_file_mb`` (unmapped memfds held open).
+        max_processes: processes and threads allowed, the first one included.
+        open_files: open files per process (``RLIMIT_NOFILE``).
+        tmpfs_mb: the size of each of ``/scratch``, ``/tmp`` and ``/dev/shm`` (``memory_mb`` under a
+            cgroup, which counts their pages; a third of it without).
+        why: why no cgroup could be made ("" under one).
+    """
+
+    memory: str
+    processes: str
+    memory_bound_mb: int
+    max_processes: int
+    open_files: int
+    tmpfs_mb: int
+    why: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +79,16 @@ class SandboxResult:
 
     Attributes:
         stdout, stderr: its output, decoded as UTF-8 (bad bytes replaced), each cut at the output limit.
-        exit_code: its exit status; -N when signal N ended it (bwrap's 128 + N); None when the sandbox
+        exit_code: its exit status as bubblewrap reported it, -N for bwrap's 128 + N (death by signal N,
+            or a program that exits with 128 + N: the status alone cannot tell); None when the sandbox
             killed it (``stopped`` says why).
-        stopped: None when it ended on its own, else why it was stopped or failed: ``"timeout"`` (wall
-            time), ``"cpu"`` (CPU seconds), ``"memory"`` (address space), ``"output"`` (too much
-            stdout + stderr), ``"file_size"`` (a file over the limit), ``"processes"`` (it tried to
-            start more processes or threads than allowed), ``"signal"`` (a crash, e.g. SIGSEGV).
+        stopped: None when it ended on its own without hitting a limit, else the limit the supervisor saw
+            it hit: ``"timeout"`` (wall time), ``"cpu"`` (CPU seconds), ``"memory"`` (the kernel killed
+            a process of it at the memory limit), ``"output"`` (too much stdout + stderr),
+            ``"processes"`` (a fork or thread refused at the process cap).
         seconds: wall time.
+        limits: which bounds held (:class:`SandboxLimits`).
+        memory_peak_mb: the most memory the whole program held, as its cgroup counted it (None without).
     """
 
     stdout: str
@@ -63,6 +96,8 @@ class SandboxResult:
     exit_code: int | None
     stopped: str | None
     seconds: float
+    limits: SandboxLimits | None = None
+    memory_peak_mb: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -87,194 +122,147 @@ def _binds() -> list[str]:
     return args
 
 
-def _user_tasks(uid: int) -> int:
-    """Processes and threads this user runs now (RLIMIT_NPROC counts all of them)."""
-    count = 0
-    for status in Path("/proc").glob("[0-9]*/status"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-            if int(fields["Uid"].split()[0]) == uid:
-                count += int(fields["Threads"])
-    return count
-
-
-class _ProcessCap:
-    """Caps the number of processes and threads of one run: a fresh ``pids`` cgroup (v1 hierarchy) when
-    this process may create one, else (a user who is not root) ``RLIMIT_NPROC`` set to the tasks the user
-    runs now plus ``limit``: the kernel counts every task of the user against it, the trainer's threads
-    included, so the cap is exact only while the user starts nothing else meanwhile. Root is exempt from
-    RLIMIT_NPROC, so for root only the cgroup counts."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.group, self.nproc = limit, None, None
-        if _PIDS_V1.is_dir() and os.access(_PIDS_V1, os.W_OK):
-            group = _PIDS_V1 / f"grpo-sandbox-{uuid.uuid4().hex[:12]}"
-            with contextlib.suppress(OSError):
-                group.mkdir()
-                (group / "pids.max").write_text(str(limit))
-                self.group = group
-        if self.group is None and os.geteuid() == 0:
-            raise SandboxUnavailable(
-                "the sandbox cannot cap the number of processes: running as root, RLIMIT_NPROC does not "
-                f"hold, and no writable pids cgroup ({_PIDS_V1}); run the trainer as a normal user, or "
-                "give it a pids cgroup")
-        if self.group is None:
-            self.nproc = _user_tasks(os.getuid()) + limit
-
-    def wrap(self, cmd: list[str]) -> list[str]:
-        """``cmd`` started inside the cap: a shell that moves itself into the cgroup, then becomes the
-        command (nothing runs outside it, and no Python runs between fork and exec), or ``prlimit``'s
-        ``--nproc``."""
-        if self.group is not None:
-            return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.group / "cgroup.procs"), *cmd]
-        return ["prlimit", f"--nproc={self.nproc}", "--", *cmd]
-
-    def hit(self, stderr: str) -> bool:
-        """Whether a fork or a thread was refused for the cap (the cgroup's count, else the error)."""
-        if self.group is None:
-            return "BlockingIOError" in stderr or "can't start new thread" in stderr
-        with contextlib.suppress(OSError, ValueError):
-            return int((self.group / "pids.events").read_text().split()[1]) > 0
-        return False
-
-    def close(self) -> None:
-        if self.group is not None:
-            with contextlib.suppress(OSError):
-                for pid in (self.group / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
-            for _ in range(50):  # the killed processes leave the group as they are reaped
-                try:
-                    self.group.rmdir()
-                    return
-                except OSError:
-                    time.sleep(0.02)
-
-
 def sandbox_available() -> str | None:
-    """None when :func:`run_python` can run here, else why not."""
+    """None when :func:`run_python` can run here, else why not (as root: also whether a cgroup can be
+    made; one is made and removed to find out)."""
+    why = _tools()
+    if why is None and os.geteuid() == 0:
+        group, why_not = _group(1 << 20, 1)
+        if group is None:
+            return _root_without_cgroup(why_not)
+        group.remove()
+    return why
+
+
+def _tools() -> str | None:
+    """Whether bubblewrap and prlimit are here and bubblewrap can create its namespaces."""
     if shutil.which("bwrap") is None:
-        return "bubblewrap is not installed (apt install bubblewrap, or dnf install bubblewrap)"
+        return ("bubblewrap is not installed (apt-get update && apt-get install bubblewrap, or dnf install "
+                "bubblewrap)")
     if shutil.which("prlimit") is None:
         return "prlimit (util-linux) is not installed"
-    if os.geteuid() == 0 and not (_PIDS_V1.is_dir() and os.access(_PIDS_V1, os.W_OK)):
-        return "running as root without a writable pids cgroup: the number of processes cannot be capped"
-    return _namespaces()
+    why, _ = _namespaces()
+    return why
 
 
 @functools.lru_cache(maxsize=1)
-def _namespaces() -> str | None:
-    """Whether bwrap can create its namespaces here (a kernel or container may forbid user namespaces)."""
+def _namespaces() -> tuple[str | None, tuple[int, ...]]:
+    """Whether bwrap (>= 0.5, for sized tmpfs mounts) can create its namespaces here (a kernel or a
+    container may forbid user namespaces), and its version."""
+    env = {"PATH": "/usr/bin:/bin"}
     try:
+        words = subprocess.run(["bwrap", "--version"], capture_output=True, text=True, timeout=30,
+                               env=env).stdout.split()
+        version = tuple(int(p) for p in words[-1].split(".")) if words else ()
         probe = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True,
-                               text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"bubblewrap could not start ({error})"
+                               text=True, timeout=30, env=env)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as error:
+        return f"bubblewrap could not start ({error})", ()
     if probe.returncode != 0:
         return (f"bubblewrap cannot create its namespaces here ({probe.stderr.strip()[:200]}); enable "
-                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)")
-    return None
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"), version
+    if version < (0, 5):
+        return f"bubblewrap {'.'.join(map(str, version))} is too old (>= 0.5 sizes tmpfs mounts)", version
+    return None, version
+
+
+def _group(memory_bytes: int, pids: int) -> tuple[cgroup.RunGroup | None, str]:
+    try:
+        return cgroup.make(memory_bytes, pids)
+    except OSError as error:
+        return None, f"making a cgroup failed ({error})"
+
+
+def _root_without_cgroup(why: str) -> str:
+    return (f"running as root, and no memory and pids cgroup can be made for the program: {why}. Root is "
+            "exempt from RLIMIT_NPROC, so nothing would cap its processes; give the trainer a cgroup as "
+            "above, or run it as a user who is not root (then per-process limits hold: docs/sandbox.md)")
 
 
 def run_python(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512, cpu_s: int | None = None,
-               max_processes: int = 8, max_output_bytes: int = 1 << 16, max_file_mb: int = 16,
+               max_processes: int | None = None, max_output_bytes: int = 1 << 16, max_file_mb: int = 16,
                stdin: str = "") -> SandboxResult:
     """Runs ``code`` with this machine's Python (``-I``: no site-packages, no user paths) in the sandbox.
 
     Args:
-        code: the program's source (it is written to the scratch directory, never evaluated here).
-        timeout_s: wall time before it is killed.
-        memory_mb: address space per process.
-        cpu_s: CPU seconds (default: ``timeout_s`` rounded up).
-        max_processes: processes and threads together, the first one included.
+        code: the program's source (handed to bubblewrap through a memfd, never evaluated here).
+        timeout_s: wall time before it is killed; stdin is written within it too.
+        memory_mb: memory of the whole program under a cgroup (its tmpfs files included), else address
+            space per process (``result.limits`` says which held).
+        cpu_s: CPU seconds (default: ``timeout_s`` rounded up, plus 1, so that one busy process meets the
+            wall limit first): of the whole program where its cgroup accounts them, and of each process
+            (``RLIMIT_CPU``).
+        max_processes: processes and threads together, the first one included (default 8 under a cgroup,
+            1 without one, where each process's memory counts separately).
         max_output_bytes: stdout + stderr kept; past it the program is killed.
-        max_file_mb: the largest file it may write.
+        max_file_mb: the largest file it may write (``RLIMIT_FSIZE``: a write past it fails with
+            ``EFBIG``, which Python raises as ``OSError``; other programs get the kernel's SIGXFSZ).
         stdin: its standard input.
 
     Raises:
-        SandboxUnavailable: no bubblewrap, or no way to cap the processes (see :func:`sandbox_available`).
+        SandboxUnavailable: no bubblewrap, or as root no cgroup (see :func:`sandbox_available`).
         ValueError: a limit that is not positive.
     """
-    for name, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_processes", max_processes),
+    processes = 1 if max_processes is None else max_processes
+    for name, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_processes", processes),
                         ("max_output_bytes", max_output_bytes), ("max_file_mb", max_file_mb)):
         if not value > 0:
             raise ValueError(f"run_python: {name}={value!r} must be > 0")
-    why = sandbox_available()
+    why = _tools()
     if why is not None:
         raise SandboxUnavailable(f"run_python refuses to run: {why}")
-    cpu = int(cpu_s if cpu_s is not None else -(-timeout_s // 1))
-    cap = _ProcessCap(max_processes)
-    scratch = Path(tempfile.mkdtemp(prefix="grpo-sandbox-"))
+    group, why_not = _group(memory_mb << 20, (max_processes or 8) + 2)  # + bwrap and its init
+    if group is None and os.geteuid() == 0:
+        raise SandboxUnavailable(f"run_python refuses to run: {_root_without_cgroup(why_not)}")
+    limits = _limits(group, why_not, memory_mb, max_processes, max_file_mb)
+    cpu = int(cpu_s if cpu_s is not None else -(-timeout_s // 1) + 1)
+    source = -1
     try:
-        (scratch / "main.py").write_text(code, encoding="utf-8")
-        cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-               "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/scratch",
-               "--setenv", "TMPDIR", "/scratch", "--setenv", "PYTHONDONTWRITEBYTECODE", "1", *_binds(),
-               "--proc", "/proc", "--dev", "/dev", "--bind", str(scratch), "/scratch", "--remount-ro", "/",
-               "--chdir", "/scratch", "--", str(_python()), "-I", "main.py"]
-
-        # limits inherited by bwrap and the program; CPU: SIGXCPU, then SIGKILL a second later
-        limits = ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={memory_mb << 20}",
-                  f"--fsize={max_file_mb << 20}", "--nofile=64", "--core=0", "--"]
-        return _supervise(cap.wrap(limits + cmd), stdin, timeout_s, max_output_bytes, cap)
+        source = os.memfd_create("main.py")
+        os.write(source, code.encode("utf-8", "surrogatepass"))
+        os.lseek(source, 0, os.SEEK_SET)
+        # without a cgroup: RLIMIT_NPROC set inside the run's user namespace counts only its tasks (+ init)
+        inner = [] if group else [shutil.which("prlimit"), f"--nproc={limits.max_processes + 1}", "--"]
+        # the seccomp filter goes here: _bwrap(..., seccomp=fd), and fd into supervise's fds with source
+        cmd = _bwrap(source, limits.tmpfs_mb << 20, [*inner, str(_python()), "-I", "main.py"])
+        rlimits = ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--fsize={max_file_mb << 20}",
+                   f"--nofile={limits.open_files}", "--core=0", "--msgqueue=0",
+                   *([] if group else [f"--as={memory_mb << 20}"]), "--"]
+        watch = Watch(timeout_s, max_output_bytes, cpu, group, limits.max_processes + 1)
+        cmd = group.enter(rlimits + cmd) if group else rlimits + cmd
+        seen = supervise(cmd, (source,), stdin.encode(), watch)
+        return SandboxResult(**dataclasses.asdict(seen), limits=limits)
     finally:
-        cap.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+        if source >= 0:
+            os.close(source)
+        if group is not None:
+            group.kill()
+            group.remove()
 
 
-def _supervise(cmd: list[str], stdin: str, timeout_s: float, max_output: int,
-               cap: _ProcessCap) -> SandboxResult:
-    start = time.monotonic()
-    # its own session (a process group to kill), none of the trainer's environment; no preexec_fn, which
-    # is unsafe in a process with threads
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, env={"PATH": "/usr/bin:/bin"})
-    with contextlib.suppress(BrokenPipeError):
-        proc.stdin.write(stdin.encode())
-    proc.stdin.close()
-    out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    stopped = None
-    open_pipes = [proc.stdout, proc.stderr]
-    while open_pipes:
-        left = timeout_s - (time.monotonic() - start)
-        if left <= 0:
-            stopped = "timeout"
-            break
-        ready, _, _ = select.select(open_pipes, [], [], min(left, 0.1))
-        for pipe in ready:
-            chunk = os.read(pipe.fileno(), 1 << 16)
-            if not chunk:
-                open_pipes.remove(pipe)
-                continue
-            out[pipe] += chunk
-        if sum(len(b) for b in out.values()) > max_output:
-            stopped = "output"
-            break
-    if stopped is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # bwrap and, through its PID namespace, everything inside
-    code = proc.wait()
-    seconds = time.monotonic() - start
-    stdout, stderr = (bytes(out[pipe][:max_output]).decode("utf-8", "replace")
-                      for pipe in (proc.stdout, proc.stderr))
-    if code > 128:  # bwrap reports its program's death by signal N as 128 + N
-        code = 128 - code
-    if stopped == "timeout" and cap.hit(stderr):  # e.g. a thread bomb waiting on the threads it did start
-        stopped = "processes"
-    elif stopped is None:
-        stopped = _reason(code, stderr, cap)
-    killed = stopped in ("timeout", "output") or (stopped == "processes" and code == -signal.SIGKILL)
-    return SandboxResult(stdout, stderr, None if killed else code, stopped, seconds)
+def _limits(group: cgroup.RunGroup | None, why: str, memory_mb: int, max_processes: int | None,
+            max_file_mb: int) -> SandboxLimits:
+    """The bounds of a run: under a cgroup one memory budget; without, each process's and the sum."""
+    if group is not None:
+        held = f"cgroup v{group.version}"
+        return SandboxLimits(held, held, memory_mb, max_processes or 8, 64, memory_mb)
+    processes, files, tmpfs = max_processes or 1, 16, max(1, memory_mb // 3)
+    bound = processes * memory_mb + 3 * tmpfs + processes * files * max_file_mb
+    return SandboxLimits("rlimit", "rlimit", bound, processes, files, tmpfs, why)
 
 
-def _reason(code: int, stderr: str, cap: _ProcessCap) -> str | None:
-    """Why a program that ended on its own failed, when a limit or a crash explains it."""
-    if code < 0:
-        return {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "file_size"}.get(-code, "signal")
-    if code != 0 and cap.hit(stderr):
-        return "processes"
-    if code != 0 and "MemoryError" in stderr:
-        return "memory"
-    if code != 0 and "File too large" in stderr:
-        return "file_size"
-    return None
+def _bwrap(source: int, tmpfs_bytes: int, program: list[str], seccomp: int | None = None) -> list[str]:
+    """The bubblewrap command line: namespaces, read-only system views, sized tmpfs mounts, ``main.py``
+    copied from the fd ``source``, then ``program`` run in ``/scratch``."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/scratch", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+           "--cap-drop", "ALL", "--clearenv", *(arg for item in env.items() for arg in ("--setenv", *item)),
+           *_binds(), "--proc", "/proc", "--dev", "/dev"]
+    if _namespaces()[1] >= (0, 8):
+        cmd.insert(2, "--disable-userns")  # no nested user namespace (the seccomp filter denies it too)
+    for path in ("/scratch", "/tmp", "/dev/shm"):  # pages charged to the run's cgroup as they are written
+        cmd += ["--size", str(tmpfs_bytes), "--tmpfs", path]
+    cmd += ["--file", str(source), "/scratch/main.py", "--remount-ro", "/dev", "--remount-ro", "/"]
+    if seccomp is not None:  # issue 51: grpo_engine.seccomp's compiled filter, an fd kept open as source
+        cmd += ["--seccomp", str(seccomp)]
+    return cmd + ["--chdir", "/scratch", "--", *program]
