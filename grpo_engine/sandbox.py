@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from grpo_engine import cgroup
+from grpo_engine.seccomp import seccomp_fd, seccomp_filter
 from grpo_engine.supervisor import Watch, supervise
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_python", "sandbox_available"]
@@ -141,6 +142,10 @@ def _tools() -> str | None:
                 "bubblewrap)")
     if shutil.which("prlimit") is None:
         return "prlimit (util-linux) is not installed"
+    try:
+        seccomp_filter()  # a machine whose system calls the filter does not know: refuse (fail closed)
+    except ValueError as error:
+        return str(error)
     why, _ = _namespaces()
     return why
 
@@ -223,14 +228,15 @@ def run_python(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512, cpu_
         os.lseek(source, 0, os.SEEK_SET)
         # without a cgroup: RLIMIT_NPROC set inside the run's user namespace counts only its tasks (+ init)
         inner = [] if group else [shutil.which("prlimit"), f"--nproc={limits.max_processes + 1}", "--"]
-        # the seccomp filter goes here: _bwrap(..., seccomp=fd), and fd into supervise's fds with source
-        cmd = _bwrap(source, limits.tmpfs_mb << 20, [*inner, str(_python()), "-I", "main.py"])
         rlimits = ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--fsize={max_file_mb << 20}",
                    f"--nofile={limits.open_files}", "--core=0", "--msgqueue=0",
                    *([] if group else [f"--as={memory_mb << 20}"]), "--"]
         watch = Watch(timeout_s, max_output_bytes, cpu, group, limits.max_processes + 1)
-        cmd = group.enter(rlimits + cmd) if group else rlimits + cmd
-        seen = supervise(cmd, (source,), stdin.encode(), watch)
+        with seccomp_fd() as filters:  # grpo_engine.seccomp's program, read by bwrap from this fd
+            cmd = _bwrap(source, limits.tmpfs_mb << 20, [*inner, str(_python()), "-I", "main.py"],
+                         seccomp=filters)
+            cmd = group.enter(rlimits + cmd) if group else rlimits + cmd
+            seen = supervise(cmd, (source, filters), stdin.encode(), watch)
         return SandboxResult(**dataclasses.asdict(seen), limits=limits)
     finally:
         if source >= 0:
@@ -263,6 +269,6 @@ def _bwrap(source: int, tmpfs_bytes: int, program: list[str], seccomp: int | Non
     for path in ("/scratch", "/tmp", "/dev/shm"):  # pages charged to the run's cgroup as they are written
         cmd += ["--size", str(tmpfs_bytes), "--tmpfs", path]
     cmd += ["--file", str(source), "/scratch/main.py", "--remount-ro", "/dev", "--remount-ro", "/"]
-    if seccomp is not None:  # issue 51: grpo_engine.seccomp's compiled filter, an fd kept open as source
+    if seccomp is not None:  # grpo_engine.seccomp's filter, read by bwrap from this fd and installed
         cmd += ["--seccomp", str(seccomp)]
     return cmd + ["--chdir", "/scratch", "--", *program]

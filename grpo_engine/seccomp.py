@@ -74,6 +74,9 @@ DENIED: Mapping[str, int] = {
     "memfd_secret": ENOSYS,
     # files by handle, past every mount and chroot (the "shocker" container escape)
     "open_by_handle_at": EPERM, "name_to_handle_at": EPERM,
+    # System V IPC: segments and queues outlive their process, and without a cgroup no limit bounds them
+    # (POSIX shared memory, /dev/shm, is a sized tmpfs)
+    "shmget": EPERM, "semget": EPERM, "msgget": EPERM,
 }
 
 # clone's namespace flags (linux/sched.h): NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET.
@@ -92,7 +95,8 @@ _COMMON = {"pidfd_getfd": 438, "clone3": 435, "open_tree": 428, "move_mount": 42
            "memfd_secret": 447, "statmount": 457, "listmount": 458, "open_tree_attr": 467}
 SYSCALL_NUMBERS: Mapping[str, Mapping[str, int]] = {
     "x86_64": {
-        **_COMMON, "ioctl": 16, "socket": 41, "clone": 56, "ptrace": 101, "syslog": 103, "uselib": 134,
+        **_COMMON, "ioctl": 16, "shmget": 29, "socket": 41, "clone": 56, "semget": 64, "msgget": 68,
+        "ptrace": 101, "syslog": 103, "uselib": 134,
         "personality": 135, "vhangup": 153, "modify_ldt": 154, "pivot_root": 155, "_sysctl": 156,
         "adjtimex": 159, "chroot": 161, "acct": 163, "settimeofday": 164, "mount": 165, "umount2": 166,
         "swapon": 167, "swapoff": 168, "reboot": 169, "sethostname": 170, "setdomainname": 171,
@@ -109,7 +113,8 @@ SYSCALL_NUMBERS: Mapping[str, Mapping[str, int]] = {
         "unshare": 97, "kexec_load": 104, "init_module": 105, "delete_module": 106, "clock_settime": 112,
         "syslog": 116, "ptrace": 117, "reboot": 142, "sethostname": 161, "setdomainname": 162,
         "settimeofday": 170, "adjtimex": 171, "socket": 198, "add_key": 217, "request_key": 218,
-        "keyctl": 219, "clone": 220, "swapon": 224, "swapoff": 225, "migrate_pages": 238,
+        "msgget": 186, "semget": 190, "shmget": 194, "keyctl": 219, "clone": 220, "swapon": 224,
+        "swapoff": 225, "migrate_pages": 238,
         "move_pages": 239, "perf_event_open": 241, "fanotify_init": 262, "name_to_handle_at": 264,
         "open_by_handle_at": 265, "clock_adjtime": 266, "setns": 268, "process_vm_readv": 270,
         "process_vm_writev": 271, "kcmp": 272, "finit_module": 273, "bpf": 280, "userfaultfd": 282,

@@ -8,8 +8,10 @@ A bomb runs only after the cap that stops it has been seen to hold on a bounded 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_engine import cgroup, sandbox, supervisor
+from grpo_engine import cgroup, sandbox, seccomp, supervisor
 from grpo_engine.sandbox import SandboxUnavailable, run_python
 
 MISSING = sandbox.sandbox_available()
@@ -231,12 +233,25 @@ def test_it_cannot_signal_the_process_that_runs_it_and_stdin_is_empty():
 
 @needs_sandbox
 def test_it_cannot_create_a_nested_user_namespace():
-    if sandbox._namespaces()[1] < (0, 8):
-        pytest.skip("bubblewrap < 0.8 has no --disable-userns (the seccomp filter denies it)")
     code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
             "print(libc.unshare(0x10000000), ctypes.get_errno())")  # CLONE_NEWUSER
     r = run_python(code)
-    assert r.ok and r.stdout.split()[0] == "-1", r
+    assert r.ok and r.stdout.split() == ["-1", str(errno.EPERM)], r  # the seccomp filter's answer
+
+
+@needs_sandbox
+@pytest.mark.parametrize("call", ["bpf(9999, 0, 0)", "shmget(0, 4096, 0o1600)", "keyctl(9999, 0, 0, 0, 0)",
+                                  "mount(b'none', b'/tmp', b'tmpfs', 0, 0)"])
+def test_the_seccomp_filter_holds_inside_run_python(call):
+    """The filter (grpo_engine.seccomp, tests/test_seccomp.py) is installed on every program run_python runs:
+    each call of a denied family fails with EPERM."""
+    name, args = call.split("(", 1)
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"NR = {seccomp.SYSCALL_NUMBERS[platform.machine()][name]}\n"
+            f"args = [ctypes.c_long(a) if isinstance(a, int) else a for a in ({args[:-1]},)]\n"
+            "print(libc.syscall(ctypes.c_long(NR), *args), ctypes.get_errno())")
+    r = run_python(code)
+    assert r.ok and r.stdout.split() == ["-1", str(errno.EPERM)], r
 
 
 @needs_sandbox

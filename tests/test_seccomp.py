@@ -87,6 +87,7 @@ MUST_DENY = {
     "other processes": {"ptrace": EPERM, "process_vm_readv": EPERM, "process_vm_writev": EPERM, "kcmp": EPERM,
                         "pidfd_getfd": EPERM},
     "keyring": {"keyctl": EPERM, "add_key": EPERM, "request_key": EPERM},
+    "System V IPC": {"shmget": EPERM, "semget": EPERM, "msgget": EPERM},
     "kernel and machine": {name: EPERM for name in (
         "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
         "swapoff", "acct", "quotactl", "lookup_dcookie", "syslog", "open_by_handle_at", "name_to_handle_at")},
@@ -260,11 +261,11 @@ PYTHON = os.path.realpath(sys.executable)  # the real interpreter (a venv's pyth
 NR = {"x86_64": {"unshare": 272, "clone": 56, "clone3": 435, "setns": 308, "mount": 165, "umount2": 166,
                  "ptrace": 101, "process_vm_readv": 310, "bpf": 321, "io_uring_setup": 425, "keyctl": 250,
                  "perf_event_open": 298, "userfaultfd": 323, "open_by_handle_at": 304, "ioctl": 16,
-                 "personality": 135, "socket": 41},
+                 "personality": 135, "socket": 41, "shmget": 29, "msgget": 68},
       "aarch64": {"unshare": 97, "clone": 220, "clone3": 435, "setns": 268, "mount": 40, "umount2": 39,
                   "ptrace": 117, "process_vm_readv": 270, "bpf": 280, "io_uring_setup": 425, "keyctl": 219,
                   "perf_event_open": 241, "userfaultfd": 282, "open_by_handle_at": 265, "ioctl": 29,
-                  "personality": 92, "socket": 198}}
+                  "personality": 92, "socket": 198, "shmget": 194, "msgget": 186}}
 
 # name: (the call made inside, the errno the filter gives, whether the call without the filter surely gets
 # another answer on any kernel: not for calls a kernel or container policy may refuse by itself)
@@ -286,6 +287,8 @@ CALLS = {
     "ioctl(TIOCSTI)": ("call('ioctl', 1, 0x5412, b'x')", EPERM, True),
     "personality(ADDR_NO_RANDOMIZE)": ("call('personality', 0x0040000)", EPERM, False),
     "socket(AF_VSOCK)": ("call('socket', 40, 1, 0)", EPERM, True),
+    "shmget(IPC_PRIVATE)": ("call('shmget', 0, 4096, 0o1600)", EPERM, True),
+    "msgget(IPC_PRIVATE)": ("call('msgget', 0, 0o1600)", EPERM, True),
 }
 
 PROBE = """
