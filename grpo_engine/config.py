@@ -208,7 +208,8 @@ class GRPOConfig(FrozenModel):
     )
     tool_timeout_s: float = Field(
         10.0, description="With tools: a call still running after this many seconds is reported to the "
-        "model as timed out (tools/timeouts)."
+        "model as timed out (tools/timeouts); its result is dropped, and when the call was an environment's "
+        "the rollout ends there (turns/ended_by_timeout)."
     )
     max_tool_chars: int = Field(
         4000, description="With tools: characters of a tool's result the model reads; a longer one is "
