@@ -127,3 +127,17 @@ def test_python_tool(tiny_folder, tmp_path):
     assert set(result["before"]) == {"accuracy", "tool_call_rate", "turns_mean"} and result["steps"] == 1
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert {"tools/calls", "turns/mean", "reward/correct/mean"} <= set(record)
+
+
+@pytest.mark.filterwarnings("ignore:step \\d+. every group has identical rewards")
+@pytest.mark.skipif(__import__("grpo_engine.sandbox").sandbox.sandbox_available() is not None,
+                    reason="CodeTests needs the sandbox (bubblewrap)")
+def test_code_tests(tiny_folder, tmp_path):
+    """One step on the code task: every task's asserts convert into call tests (``CodeTests.check``), and
+    the held-out pass rates are fractions of tests passed."""
+    result = run_example("code_tests", ["--model", str(tiny_folder[0]), "--output-dir", str(tmp_path),
+                                        "--eval-size", "2", "--budget-s", "60", *TINY])
+    assert set(result["before"]) == {"pass_rate_greedy", "pass_rate_sampled"} and result["steps"] == 1
+    assert all(0.0 <= v <= 1.0 for v in result["after"].values())
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward/code_tests/mean" in record
