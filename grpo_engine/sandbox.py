@@ -187,7 +187,8 @@ def _root_without_cgroup(why: str) -> str:
 def run_python(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512, cpu_s: int | None = None,
                max_processes: int | None = None, max_output_bytes: int = 1 << 16, max_file_mb: int = 16,
                stdin: str = "") -> SandboxResult:
-    """Runs ``code`` with this machine's Python (``-I``: no site-packages, no user paths) in the sandbox.
+    """Runs ``code`` with this machine's Python (``-I -S``: the standard library only, no site-packages,
+    no user paths, no environment variables read) in the sandbox.
 
     Args:
         code: the program's source (handed to bubblewrap through a memfd, never evaluated here).
@@ -233,7 +234,7 @@ def run_python(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512, cpu_
                    *([] if group else [f"--as={memory_mb << 20}"]), "--"]
         watch = Watch(timeout_s, max_output_bytes, cpu, group, limits.max_processes + 1)
         with seccomp_fd() as filters:  # grpo_engine.seccomp's program, read by bwrap from this fd
-            cmd = _bwrap(source, limits.tmpfs_mb << 20, [*inner, str(_python()), "-I", "main.py"],
+            cmd = _bwrap(source, limits.tmpfs_mb << 20, [*inner, str(_python()), "-I", "-S", "main.py"],
                          seccomp=filters)
             cmd = group.enter(rlimits + cmd) if group else rlimits + cmd
             seen = supervise(cmd, (source, filters), stdin.encode(), watch)
