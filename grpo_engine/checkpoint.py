@@ -51,7 +51,7 @@ SAFE_CHANGES = frozenset({
     "config.output_dir", "config.reward_timeout_s", "config.on_reward_error", "memory.decoding",
     "memory.micro_batch_size", "memory.logprob_chunk_size", "memory.logprob_vocab_tile", "memory.sharding",
     "memory.compile_training", "memory.compile_decoding", "memory.pack_weights_for_sampling",
-    "memory.compiled_products_for_sampling",
+    "memory.compiled_products_for_sampling", "config.place_model",
 })
 
 

@@ -194,6 +194,16 @@ class GRPOConfig(FrozenModel):
         "The trainer's train_seconds is this clock."
     )
 
+    # -- the model ---------------------------------------------------------------------------
+    place_model: Literal["auto", "keep"] = Field(
+        "auto", description="Where a model object passed to GRPOTrainer trains: 'auto' moves it to this "
+        "rank's device (its GPU when there is one, as TRL does; logged), 'keep' leaves it where it is (under "
+        "torchrun a model on a GPU still goes to this rank's GPU). A bitsandbytes-quantised model (4 or 8 "
+        "bits) or one dispatched over several devices (hf_device_map) is never moved: it trains where it was "
+        "loaded (logged). A model the trainer loads from a folder or hub id always goes to this rank's "
+        "device."
+    )
+
     # -- sampling ----------------------------------------------------------------------------
     temperature: float = Field(
         1.0, description="Sampling temperature; training log-probs are computed at the same temperature."

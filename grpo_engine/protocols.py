@@ -39,7 +39,10 @@ class Sampler(Protocol):
     filter), with the temperature in force and the call's ``Draws``. Under ``torchrun`` each rank
     samples its share of the step's prompts, and ``draws`` says where that share sits among every
     rank's: a sampler that keys each row's token draws by ``draws.seed`` and the row's place
-    (``HFSampler`` does) makes K ranks draw the completions one process draws.
+    (``HFSampler`` does) makes K ranks draw the completions one process draws. The attributes
+    ``max_prompt_tokens``, ``max_completion_tokens``, ``temperature``, ``top_p`` and ``top_k``, where a
+    sampler has them, are agreed with the run's ``GRPOConfig`` when the trainer is built
+    (:mod:`grpo_engine.sampling.settings`).
     """
 
     def prompt_tokens(self, prompt: Prompt) -> list[int]:

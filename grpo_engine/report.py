@@ -10,8 +10,9 @@ Each backend is an optional extra (``pip install grpo_engine[tensorboard]``, ``[
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from grpo_engine.callbacks import Callback, TrainerControl, TrainerState
 
@@ -64,7 +65,7 @@ class TensorBoardLogger(Callback):
 class _RunLogger(Callback):
     """A tracker run opened at the start (or the first step), fed every step's metrics, closed at the end."""
 
-    def __init__(self, project: str = "grpo_engine", **init_kwargs: Any) -> None:
+    def __init__(self, project: str | None = None, **init_kwargs: Any) -> None:
         self.project, self.init_kwargs, self.run = project, init_kwargs, None
 
     def on_step_end(self, trainer: Any, state: TrainerState, control: TrainerControl, *,
@@ -88,14 +89,39 @@ class _RunLogger(Callback):
 class WandbLogger(_RunLogger):
     """Logs every step's metrics to Weights & Biases (``WANDB_MODE=offline`` keeps the run on disk).
 
+    W&B's environment variables hold over our defaults, as in TRL, and this logger's arguments over both:
+    ``WANDB_PROJECT`` (else the project is "grpo_engine"), ``WANDB_DIR`` (else the run's ``output_dir``),
+    ``WANDB_ENTITY``, ``WANDB_NAME``, ``WANDB_RUN_GROUP``, ``WANDB_JOB_TYPE``, ``WANDB_TAGS`` (comma
+    separated), ``WANDB_NOTES`` and ``WANDB_MODE``, read when the run starts (wandb itself reads them once
+    per process, at its first run).
+
     Args:
         project: the W&B project; extra keyword arguments go to ``wandb.init`` (``name``, ``tags``...).
+
+    Example:
+        >>> WandbLogger(name="first").init_arguments("runs/grpo", {})["project"]  # without WANDB_PROJECT
+        'grpo_engine'
     """
+
+    ENVIRONMENT: ClassVar[dict[str, str]] = {
+        "project": "WANDB_PROJECT", "dir": "WANDB_DIR", "entity": "WANDB_ENTITY", "name": "WANDB_NAME",
+        "group": "WANDB_RUN_GROUP", "job_type": "WANDB_JOB_TYPE", "tags": "WANDB_TAGS",
+        "notes": "WANDB_NOTES", "mode": "WANDB_MODE"}  # wandb.init's argument -> its variable
 
     def on_train_start(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
         wandb = _require("wandb", "wandb")
-        self.run = wandb.init(project=self.project, dir=trainer.config.output_dir,
-                              config=_run_config(trainer), **self.init_kwargs)
+        self.run = wandb.init(**self.init_arguments(trainer.config.output_dir, _run_config(trainer)))
+
+    def init_arguments(self, output_dir: str, config: dict[str, Any]) -> dict[str, Any]:
+        """The arguments of ``wandb.init``: ours (``project``, ``dir``, ``config``), under the environment's
+        (:attr:`ENVIRONMENT`), under this logger's own."""
+        ours: dict[str, Any] = {"project": "grpo_engine", "dir": output_dir, "config": config}
+        environment = {name: os.environ[variable] for name, variable in self.ENVIRONMENT.items()
+                       if os.environ.get(variable)}
+        if "tags" in environment:
+            environment["tags"] = [tag.strip() for tag in environment["tags"].split(",") if tag.strip()]
+        given = {"project": self.project} if self.project else {}
+        return {**ours, **environment, **given, **self.init_kwargs}
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -109,7 +135,8 @@ class TrackioLogger(_RunLogger):
 
     def on_train_start(self, trainer: Any, state: TrainerState, control: TrainerControl) -> None:
         self._trackio = _require("trackio", "trackio")
-        self.run = self._trackio.init(project=self.project, config=_run_config(trainer), **self.init_kwargs)
+        ours = {"project": self.project or "grpo_engine", "config": _run_config(trainer)}
+        self.run = self._trackio.init(**{**ours, **self.init_kwargs})
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         self._trackio.log(metrics, step=step)

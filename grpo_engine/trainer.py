@@ -53,7 +53,7 @@ from grpo_engine.report import report_callbacks
 from grpo_engine.rewards.compose import WeightedSum
 from grpo_engine.rewards.runner import trainer_runner
 from grpo_engine.rollout import Rollouts
-from grpo_engine.sampling.hf import HFSampler
+from grpo_engine.sampling import HFSampler, agreed_config
 from grpo_engine.tools.rollout import with_tools
 from grpo_engine.types import Prompt, Rollout, RolloutBatch
 
@@ -100,12 +100,12 @@ class GRPOTrainer:
                  template: PromptTemplate | None = None, callbacks: Sequence[Callback] = (),
                  resume_from: str | Path | checkpoint.Resume | None = None, tools: Sequence[Callable] = (),
                  environment_factory: Callable[[], Any] | None = None) -> None:
-        self.config = cfg = config if config is not None else GRPOConfig()
+        self.config = cfg = agreed_config(sampler, config if config is not None else GRPOConfig())
         self.memory = memory = memory if memory is not None else MemoryPlan()
         self.world = world = World.current()  # this process's rank under torchrun (one process: 0 of 1)
         world.check_prompts_per_step(cfg.prompts_per_step)
         torch.manual_seed(cfg.seed)
-        self.model, self.tokenizer = load_policy(model, tokenizer, memory, world)
+        self.model, self.tokenizer = load_policy(model, tokenizer, memory, world, cfg.place_model)
         self._components(rewards, sampler, advantage, loss, entropy, template)
         self.sampler = with_tools(self.sampler, tools, environment_factory, cfg)  # multi-turn, with tools
         self.prompts = training_prompts(

@@ -45,6 +45,7 @@ from grpo_engine.sampling.decode import (
 )
 from grpo_engine.sampling.merge import check_mergeable, merged_lora
 from grpo_engine.sampling.packed import packable_layers, packed_linears, packing_available
+from grpo_engine.sampling.settings import records_settings
 from grpo_engine.sampling.static import StaticDecoding, decode_static, supports_static
 from grpo_engine.types import Draws, Prompt, RolloutBatch
 
@@ -192,11 +193,17 @@ class HFSampler:
     After each ``sample()`` call, ``last_decoding`` holds the path that ran (and, if a CUDA graph
     could not be captured, why), and ``last_clock`` the prefill / decode times (``seconds()``).
 
+    ``settings_given`` names the sampling settings the constructor was given (the others hold their
+    defaults): passed to ``GRPOTrainer(sampler=...)``, a setting given here or in ``GRPOConfig`` holds on
+    both sides, and one given in both with different values is an error
+    (:func:`~grpo_engine.sampling.settings.agreed_config`).
+
     Example:
         >>> # sampler = HFSampler(model, tokenizer, max_completion_tokens=64)
         >>> # batch = sampler.sample([Prompt("What is 2+2?", "4")], group_size=8)
     """
 
+    @records_settings
     def __init__(
         self,
         model: nn.Module,
