@@ -1,0 +1,337 @@
+"""TRL's GRPOConfig mapped onto the native records: :func:`native_run` turns a resolved
+:class:`~grpo_engine.trl.config.GRPOConfig` into a :class:`NativeRun` (the native ``GRPOConfig``, the
+``MemoryPlan``, the loss, the advantage, the learning-rate schedule and the evaluation period), or raises one
+:class:`TRLSettingError` listing every field set to a value other than TRL's default that has no equivalent
+here, each with why and the nearest setting.
+
+- The batch: one optimizer step per generation batch (TRL's default, ``steps_per_generation ==
+  gradient_accumulation_steps``): ``prompts_per_step = generation_batch_size / num_generations``, where
+  ``generation_batch_size = per_device_train_batch_size x gradient_accumulation_steps x WORLD_SIZE``;
+  ``micro_batch_size = per_device_train_batch_size``; ``num_iterations`` -> ``updates_per_batch``.
+- Steps: TRL counts optimizer steps, ``num_iterations`` of them per generation batch; the native run counts
+  batches, so ``max_steps``, ``logging_steps``, ``save_steps``, ``eval_steps`` and the warm-up become
+  ceil(steps / num_iterations). ``max_steps=-1`` runs ``num_train_epochs`` over the dataset as TRL counts
+  them: ceil(epochs x (len(dataset) // prompts_per_step) x num_iterations) optimizer steps.
+- The loss (``loss_type``; TRL's clip ``epsilon`` / ``epsilon_high``, ``delta``, ``beta``): grpo -> the
+  per-sequence mean, dapo -> the token mean over the step, dr_grpo -> the token sum over N x
+  max_completion_length, bnpo -> dapo's where one micro-batch is the whole step (else refused), cispo ->
+  :class:`~grpo_engine.losses.cispo.CISPO` (TRL caps the weight at epsilon_high, here at 1 + clip_eps_high),
+  ``importance_sampling_level="sequence"`` with grpo -> :class:`~grpo_engine.losses.gspo.GSPO`.
+- The advantage: ``scale_rewards`` -> ``GroupNormalized(std_scope=..., eps=1e-4)`` (TRL's 1e-4 on the std).
+- Precision: ``bf16`` -> ``MemoryPlan(compute_dtype="bfloat16")`` over float32 weights (TRL's default
+  load); where TRL would refuse (no bf16 GPU and ``use_cpu=False``) the run computes in float32, with a note.
+- Prompts are never cut, as in TRL: ``max_prompt_tokens`` is the model's context less
+  ``max_completion_length`` and a longer prompt stops the build, and sampling uses the dynamic decoding loop
+  (a static cache would be sized for the whole context).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_engine.advantages import GroupNormalized
+from grpo_engine.config import GRPOConfig as NativeConfig
+from grpo_engine.losses.cispo import CISPO
+from grpo_engine.losses.clipped import ClippedSurrogate
+from grpo_engine.losses.gspo import GSPO
+from grpo_engine.memory.plan import MemoryPlan
+from grpo_engine.trl.fields import TRL_FIELDS
+from grpo_engine.trl.refused import REFUSED
+
+__all__ = ["TRLSettingError", "NativeRun", "Schedule", "native_run", "changed_fields", "problem"]
+
+Problem = tuple[str, str]  # (the field, the message: value, why, nearest)
+
+
+class TRLSettingError(ValueError):
+    """TRL settings with no equivalent here: one line per field, each with its value, why and the nearest
+    setting. ``problems``: the ``(field, message)`` pairs."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {message}" for _, message in self.problems)
+        super().__init__(f"{len(self.problems)} TRL setting(s) with no equivalent in grpo_engine:\n{lines}")
+
+
+def problem(name: str, value: Any, why: str, nearest: str) -> Problem:
+    """A refused setting: ``name=value: why; nearest: ...``."""
+    return name, f"{name}={value!r}: {why}; nearest: {nearest}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """TRL's learning-rate schedule (``transformers.get_scheduler``), over the native run's steps."""
+
+    name: str
+    warmup_steps: int
+    total_steps: int
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NativeRun:
+    """What a TRL config means here: the native records and components, and the notes to log."""
+
+    config: NativeConfig
+    memory: MemoryPlan
+    loss: Any
+    advantage: GroupNormalized
+    schedule: Schedule
+    eval_every_steps: int | None
+    reward_weights: list[float] | None
+    notes: tuple[str, ...] = ()
+
+
+def changed_fields(args: Any) -> set[str]:
+    """The fields of ``args`` whose value differs from TRL's default, both as TRL resolves them (a value
+    derived from other fields, such as ``generation_batch_size``, counts as changed)."""
+    default = type(args)()
+    return {name for name in TRL_FIELDS if getattr(args, name) != getattr(default, name)}
+
+
+_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw8bit",
+               "adamw_bnb_8bit": "adamw8bit", "paged_adamw_32bit": "paged_adamw",
+               "paged_adamw_8bit": "paged_adamw8bit"}
+_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant",
+              "constant_with_warmup": "constant"}
+_EXACT_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                    "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None, device_bf16: bool,
+               lora: Any = None, problems: list[Problem] | None = None) -> NativeRun:
+    """The native run of ``args`` (a resolved TRL ``GRPOConfig``).
+
+    Args:
+        num_prompts: the training dataset's length (None for a stream: then ``max_steps`` must be set).
+        context_tokens: the model's context (``max_position_embeddings``), or None when unknown.
+        device_bf16: whether this machine computes in bfloat16 where TRL would (a bf16 GPU).
+        lora: the trainer's ``peft_config`` (a peft ``LoraConfig``), or None.
+        problems: refusals found by the caller (the trainer's own arguments), reported with these.
+
+    Raises:
+        TRLSettingError: every setting with no equivalent here, at once.
+    """
+    found = list(problems or [])
+    given = changed_fields(args)
+    found += [problem(name, getattr(args, name), *REFUSED[name]) for name in sorted(given & REFUSED.keys())]
+    mu = args.num_iterations
+    prompts_per_step = args.generation_batch_size // args.num_generations
+    found += _batch_problems(args, given)
+    trl_steps = _trl_steps(args, num_prompts, prompts_per_step, found)
+    steps = max(1, math.ceil(trl_steps / mu))
+    memory, notes = _memory(args, device_bf16, lora, found)
+    loss = _loss(args, found)
+    native = dict(
+        prompts_per_step=prompts_per_step, group_size=args.num_generations, updates_per_batch=mu,
+        max_completion_tokens=args.max_completion_length or 1, max_steps=steps,
+        max_prompt_tokens=max(1, (context_tokens or 4096) - (args.max_completion_length or 0)),
+        overlong_prompts="error", temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        learning_rate=args.learning_rate, lr_schedule=_SCHEDULES.get(str(args.lr_scheduler_type), "constant"),
+        weight_decay=args.weight_decay, adam_betas=(args.adam_beta1, args.adam_beta2),
+        adam_eps=args.adam_epsilon, max_grad_norm=args.max_grad_norm or None, seed=args.seed,
+        output_dir=args.output_dir, progress_bar=not args.disable_tqdm,
+        log_every_steps=_every(args, "logging_steps", trl_steps, mu, found),
+        save_every_steps=_saving(args, trl_steps, mu, found),
+        keep_last_checkpoints=args.save_total_limit or None, report_to=_report_to(args, found),
+        max_turns=(args.max_tool_calling_iterations + 1 if args.max_tool_calling_iterations is not None
+                   else max(2, args.max_completion_length or 2)))
+    schedule = _schedule(args, steps, trl_steps, mu, found)
+    native["warmup_steps"] = schedule.warmup_steps if native["lr_schedule"] != "constant" else 0
+    eval_every = (_every(args, "eval_steps", trl_steps, mu, found)
+                  if str(args.eval_strategy) == "steps" else None)
+    if str(args.eval_strategy) not in ("no", "steps"):
+        found.append(problem("eval_strategy", str(args.eval_strategy), "evaluation runs every eval_steps "
+                             "steps here (HeldOutEval), never per epoch",
+                             "eval_strategy='steps', eval_steps=N"))
+    if found:
+        raise TRLSettingError(found)
+    scale = {"group": "group", "batch": "batch", "none": "none"}[args.scale_rewards]
+    return NativeRun(config=NativeConfig(**native), memory=memory, loss=loss,
+                     advantage=GroupNormalized(std_scope=scale, eps=1e-4), schedule=schedule,
+                     eval_every_steps=eval_every, reward_weights=args.reward_weights, notes=tuple(notes))
+
+
+def _batch_problems(args: Any, given: set[str]) -> list[Problem]:
+    found = []
+    if args.steps_per_generation != args.gradient_accumulation_steps:
+        name = "generation_batch_size" if "generation_batch_size" in given else "steps_per_generation"
+        whole = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        why = (f"a generation batch of {args.generation_batch_size} completions spread over "
+               f"{args.steps_per_generation} / {args.gradient_accumulation_steps} optimizer steps; here each "
+               "generation batch is one optimizer step (prompts_per_step x group_size completions, "
+               "num_iterations updates on it)")
+        found.append(problem(name, getattr(args, name), why, f"leave it unset (the generation batch is then "
+                             "per_device_train_batch_size x gradient_accumulation_steps x WORLD_SIZE = "
+                             f"{whole}), "
+                             f"or set gradient_accumulation_steps={args.steps_per_generation}"))
+    if args.max_completion_length is None:
+        found.append(problem("max_completion_length", None, "every completion needs a token limit here",
+                             "max_completion_length=512 (TRL's default)"))
+    if args.scale_rewards not in ("group", "batch", "none"):
+        found.append(problem("scale_rewards", args.scale_rewards, "not one of TRL's 'group', 'batch', 'none'",
+                             "scale_rewards='group'"))
+    return found
+
+
+def _trl_steps(args: Any, num_prompts: int | None, prompts_per_step: int, found: list[Problem]) -> int:
+    """TRL's optimizer steps: ``max_steps``, or ``num_train_epochs`` over the dataset as TRL counts them."""
+    if args.max_steps > 0:
+        return int(args.max_steps)
+    if num_prompts is None:
+        found.append(problem("max_steps", args.max_steps, "max_steps=-1 runs num_train_epochs over the "
+                             "dataset, and this dataset has no length (a stream)", "max_steps=N"))
+        return 1
+    batches = num_prompts // prompts_per_step
+    if batches == 0:
+        found.append(problem("max_steps", args.max_steps, f"the dataset's {num_prompts} prompts do not "
+                             f"fill one generation batch of {prompts_per_step} prompts: an epoch has no step",
+                             "more prompts, a smaller per_device_train_batch_size, or max_steps=N"))
+        return 1
+    return math.ceil(args.num_train_epochs * batches * args.num_iterations)
+
+
+def _every(args: Any, name: str, trl_steps: int, mu: int, found: list[Problem]) -> int:
+    """A period in TRL's optimizer steps (a float below 1: a fraction of the run) as native steps."""
+    value = getattr(args, name)
+    if value is None or value <= 0:
+        found.append(problem(name, value, "a period must be a positive number of steps", f"{name}=10"))
+        return 1
+    steps = math.ceil(trl_steps * value) if value < 1 else int(value)
+    return max(1, math.ceil(steps / mu))
+
+
+def _saving(args: Any, trl_steps: int, mu: int, found: list[Problem]) -> int | None:
+    strategy = str(args.save_strategy)
+    if strategy == "no":
+        return None
+    if strategy != "steps":
+        found.append(problem("save_strategy", strategy, "checkpoints are written every save_steps steps here "
+                             "(and final/ at the end), never per epoch or on the best metric",
+                             "save_strategy='steps', save_steps=N"))
+        return None
+    return _every(args, "save_steps", trl_steps, mu, found)
+
+
+def _report_to(args: Any, found: list[Problem]) -> list[str]:
+    known = ("tensorboard", "wandb", "trackio")
+    other = [name for name in args.report_to if name not in known]
+    if other:
+        found.append(problem("report_to", args.report_to, f"no logging backend {other} here "
+                             "(metrics.jsonl is always written)", f"report_to among {list(known)}"))
+    return [name for name in args.report_to if name in known]
+
+
+def _schedule(args: Any, steps: int, trl_steps: int, mu: int, found: list[Problem]) -> Schedule:
+    name = str(args.lr_scheduler_type)
+    if name not in _EXACT_SCHEDULES:
+        found.append(problem("lr_scheduler_type", name, "it reads an evaluation metric or a search "
+                             "the run here does not have", "lr_scheduler_type='linear' (TRL's default)"))
+    warmup = args.warmup_steps
+    warmup = int(warmup) if warmup >= 1 else math.ceil(trl_steps * warmup)
+    return Schedule(name=name, warmup_steps=math.ceil(warmup / mu), total_steps=steps,
+                    kwargs=dict(args.lr_scheduler_kwargs or {}))
+
+
+def _memory(args: Any, device_bf16: bool, lora: Any, found: list[Problem]) -> tuple[MemoryPlan, list[str]]:
+    notes: list[str] = []
+    dtype = _model_dtype(args, found)
+    compute = "float16" if args.fp16 else "bfloat16" if args.bf16 else None
+    if compute == "bfloat16" and not (device_bf16 or args.use_cpu):
+        notes.append("bf16=True (TRL's default when fp16 is off): TRL refuses it on a machine without a bf16 "
+                     "GPU unless use_cpu=True (then it computes in bf16 on the CPU); this run computes in "
+                     "float32. Pass bf16=False to silence this, or use_cpu=True for TRL's bf16 on the CPU")
+        compute = None
+    if dtype != "float32":
+        compute = None  # half weights compute in their own dtype, as TRL's autocast does on them
+    optimizer = _OPTIMIZERS.get(str(args.optim))
+    if optimizer is None:
+        found.append(problem("optim", str(args.optim), "not an AdamW this trainer builds",
+                             f"optim among {sorted(_OPTIMIZERS)}"))
+    settings = dict(gradient_checkpointing=bool(args.gradient_checkpointing), dtype=dtype,
+                    compute_dtype=compute, micro_batch_size=args.per_device_train_batch_size,
+                    optimizer=optimizer or "adamw",
+                    decoding="dynamic", compile_training=bool(args.torch_compile))
+    try:
+        return MemoryPlan(**settings, lora=lora), notes
+    except ValueError as error:  # a LoraConfig setting LoRA cannot honour (ConfigError is a ValueError)
+        found.append(problem("peft_config", type(lora).__name__, str(error).replace("\n", " "),
+                             "a LoraConfig with r, lora_alpha, lora_dropout, target_modules"))
+        return MemoryPlan(**settings), notes
+
+
+def _model_dtype(args: Any, found: list[Problem]) -> str:
+    """``model_init_kwargs={"dtype": ...}`` (TRL loads float32 by default); other keys are refused."""
+    kwargs = dict(args.model_init_kwargs or {})
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", "float32"))
+    dtype = str(dtype).removeprefix("torch.")
+    if kwargs or dtype not in _DTYPES:
+        found.append(problem("model_init_kwargs", args.model_init_kwargs, "only the weights' dtype "
+                             f"({', '.join(_DTYPES)}) carries over when the model is loaded here",
+                             "model_init_kwargs={'dtype': 'bfloat16'}, or load the model yourself and pass "
+                             "it"))
+        return "float32"
+    return dtype
+
+
+def _loss(args: Any, found: list[Problem]) -> Any:
+    """The loss of ``loss_type`` with TRL's clip, δ and KL."""
+    kind, level, beta = args.loss_type, args.importance_sampling_level, args.beta
+    low, high = args.epsilon, args.epsilon_high
+    if beta and args.use_bias_correction_kl:
+        found.append(problem("beta", beta, "with use_bias_correction_kl=True (TRL's default) TRL multiplies "
+                             "each token's KL by its importance ratio, which changes the KL gradient; the KL "
+                             "here is not weighted", "use_bias_correction_kl=False (the k3 KL of GRPO, as "
+                             "here), or beta=0.0 (TRL's default)"))
+    if level == "sequence":
+        if kind != "grpo":
+            found.append(problem("importance_sampling_level", level, f"a sequence-level ratio with "
+                                 f"loss_type={kind!r} weights each sequence by its length in TRL; GSPO here "
+                                 "is the per-sequence mean",
+                                 "loss_type='grpo' with importance_sampling_level='sequence' (GSPO)"))
+        found += _unsupported_terms(args, "GSPO")
+        return GSPO(clip_eps_low=low, clip_eps_high=high, kl_coef=beta)
+    if level != "token":
+        found.append(problem("importance_sampling_level", level, "not 'token' or 'sequence'", "'token'"))
+    if kind == "cispo":
+        if high < 1:
+            found.append(problem("epsilon_high", high, "loss_type='cispo' caps the IS weight at epsilon_high "
+                                 "in TRL, and CISPO here at 1 + clip_eps_high, so a cap below 1 has no "
+                                 "equivalent", "epsilon_high=5.0 (ScaleRL's)"))
+            return None
+        found += _unsupported_terms(args, "CISPO")
+        return CISPO(clip_eps_high=high - 1, kl_coef=beta)
+    one_batch = args.steps_per_generation == 1 and args.world_size == 1
+    aggregation = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}.get(kind)
+    if kind == "bnpo" and one_batch:
+        aggregation = "token"  # one micro-batch per step: the local batch is the whole step
+    if aggregation is None:
+        found.append(problem("loss_type", kind, _LOSS_WHY.get(kind, "not a TRL loss_type"),
+                             "loss_type='dapo' (TRL's default: the token mean over the step)"))
+        return None
+    return ClippedSurrogate(clip_eps_low=low, clip_eps_high=high, kl_coef=beta, aggregation=aggregation,
+                            max_completion_tokens=args.max_completion_length if kind == "dr_grpo" else None,
+                            delta=args.delta, mask_truncated=bool(args.mask_truncated_completions),
+                            top_entropy_quantile=(args.top_entropy_quantile if args.top_entropy_quantile < 1
+                                                  else None))
+
+
+def _unsupported_terms(args: Any, loss: str) -> list[Problem]:
+    """The ClippedSurrogate terms a GSPO / CISPO loss does not take."""
+    terms = {"mask_truncated_completions": args.mask_truncated_completions,
+             "top_entropy_quantile": args.top_entropy_quantile < 1, "delta": args.delta is not None}
+    return [problem(name, getattr(args, name), f"{loss} here has no such term", "loss_type='dapo' or 'grpo'")
+            for name, used in terms.items() if used]
+
+
+_PENDING = "it is pending work (issue 53: more loss families)"
+_LOSS_WHY = {
+    "bnpo": "bnpo normalises each micro-batch by its own tokens, which differs from the step's token mean "
+            "when a step has several micro-batches (gradient_accumulation_steps > 1 or several processes)",
+    "sapo": f"SAPO's soft gate is not implemented here; {_PENDING}",
+    "vespo": f"VESPO's Gamma weighting is not implemented here; {_PENDING}",
+    "luspo": f"LUSPO's length-scaled sequence loss is not implemented here; {_PENDING}",
+}

@@ -1,0 +1,243 @@
+"""TRL 1.16's ``GRPOTrainer`` constructor over the native :class:`grpo_engine.GRPOTrainer`.
+
+Every parameter of ``trl.GRPOTrainer.__init__`` is accepted by name. ``model`` (a name, a folder or a model),
+``reward_funcs`` (functions, weighted by ``args.reward_weights``), ``train_dataset``, ``eval_dataset`` (with
+``eval_strategy="steps"``: :class:`~grpo_engine.callbacks.HeldOutEval` every ``eval_steps``),
+``processing_class`` (the tokenizer), ``callbacks`` (``grpo_engine.callbacks.Callback`` objects),
+``peft_config`` (a peft ``LoraConfig``), ``tools`` and ``environment_factory`` carry over; a value with no
+equivalent (a reward model by name, a ``transformers.TrainerCallback``, ``optimizers``,
+``quantization_config``, ``rollout_func``, ``reward_processing_classes``) is refused with the config's
+refusals, in one :class:`~grpo_engine.trl.mapping.TRLSettingError`.
+
+The learning rate follows TRL's schedule (``transformers.get_scheduler`` with TRL's warm-up rule) in place
+of the native one. ``train(resume_from_checkpoint=True | path)`` rebuilds the native trainer with
+``resume_from`` (the native exact resume); ``save_model`` writes the policy (the adapter under LoRA) and the
+tokenizer with ``save_pretrained``, as TRL's does. ``native`` is the native trainer, for everything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from grpo_engine.callbacks import Callback, HeldOutEval, TrainerState
+from grpo_engine.data.records import to_prompts
+from grpo_engine.rewards.function import FunctionReward
+from grpo_engine.trainer import GRPOTrainer as NativeTrainer
+from grpo_engine.trl.config import GRPOConfig
+from grpo_engine.trl.mapping import NativeRun, Problem, Schedule, native_run, problem
+
+__all__ = ["GRPOTrainer", "TrainOutput", "trl_scheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+class TrainOutput(NamedTuple):
+    """What TRL's ``train()`` returns: the step reached, the mean loss, the last step's metrics."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class GRPOTrainer:
+    """TRL's ``GRPOTrainer``, run by the native trainer (module docstring).
+
+    Example:
+        >>> # from grpo_engine.trl import GRPOConfig, GRPOTrainer
+        >>> # trainer = GRPOTrainer(model="Qwen/Qwen2-0.5B-Instruct", reward_funcs=reward_len,
+        >>> #                       args=GRPOConfig(output_dir="out"), train_dataset=dataset)
+        >>> # trainer.train()
+    """
+
+    def __init__(self, model: str | Path | nn.Module, reward_funcs: Any = None,
+                 args: GRPOConfig | None = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None,
+                 reward_processing_classes: Any = None, callbacks: Sequence[Any] | None = None,
+                 optimizers: tuple[Any, Any] = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: Sequence[Callable] | None = None, rollout_func: Any = None,
+                 environment_factory: Any = None) -> None:
+        if args is None:
+            name = model if isinstance(model, (str, Path)) else getattr(model.config, "_name_or_path", "m")
+            args = GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
+        found = _argument_problems(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes,
+                                   callbacks, optimizers, quantization_config, rollout_func)
+        self.args = args
+        self.run: NativeRun = native_run(args, num_prompts=_length(train_dataset),
+                                         context_tokens=_context(model), device_bf16=_bf16_device(),
+                                         lora=peft_config, problems=found)
+        for note in self.run.notes:
+            logger.warning(note)
+        if args.run_name and "wandb" in args.report_to:
+            os.environ.setdefault("WANDB_NAME", str(args.run_name))
+        if processing_class is not None and processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token  # as TRL does
+        held_out = ([HeldOutEval(to_prompts(eval_dataset, name="eval_dataset"),
+                                 every_steps=self.run.eval_every_steps)]
+                    if self.run.eval_every_steps is not None else [])
+        self.build = dict(model=model, rewards=_rewards(reward_funcs, args.reward_weights),
+                          prompts=train_dataset, tokenizer=processing_class,
+                          callbacks=[*(callbacks or []), *held_out],
+                          tools=tuple(tools or ()), environment_factory=environment_factory)
+        self.native = build_native(self.run, self.build, resume_from=None)
+
+    @property
+    def model(self) -> nn.Module:
+        """The policy being trained (a ``PeftModel`` under ``peft_config``)."""
+        return self.native.model
+
+    @property
+    def processing_class(self) -> Any:
+        """The tokenizer."""
+        return self.native.tokenizer
+
+    @property
+    def state(self) -> TrainerState:
+        """The run's counters (``global_step``, ``max_steps``, ...)."""
+        return self.native.state
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
+        """Runs the training; ``resume_from_checkpoint``: True (the newest ``checkpoint-N`` in
+        ``output_dir``) or a checkpoint folder continues that run exactly."""
+        if kwargs:
+            raise TypeError(f"train() got unexpected keyword arguments {sorted(kwargs)}; it takes "
+                            "resume_from_checkpoint (True or a checkpoint folder)")
+        if resume_from_checkpoint:
+            where = "latest" if resume_from_checkpoint is True else resume_from_checkpoint
+            model = self.build["model"]
+            model = model if isinstance(model, (str, Path)) else _source(self.native)  # a name loads afresh
+            build = {**self.build, "model": model, "tokenizer": self.native.tokenizer}
+            self.native = build_native(self.run, build, resume_from=where)
+        history = self.native.train()
+        losses = [m["loss"] for m in history if "loss" in m]
+        return TrainOutput(self.native.state.step, sum(losses) / max(1, len(losses)),
+                           dict(history[-1]) if history else {})
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Writes the policy (the adapter under LoRA) and the tokenizer to ``output_dir`` (default: the
+        config's), with ``save_pretrained``; rank 0 writes."""
+        folder = Path(output_dir or self.args.output_dir)
+        if self.native.world.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.native.model.save_pretrained(folder)
+            self.native.tokenizer.save_pretrained(folder)
+        return folder
+
+
+def build_native(run: NativeRun, build: dict[str, Any], *, resume_from: Any) -> NativeTrainer:
+    """The native trainer of ``run`` and ``build`` (the model and the trainer's other arguments), with TRL's
+    learning-rate schedule (continued at a resumed step)."""
+    native = NativeTrainer(build["model"], build["rewards"], build["prompts"], run.config, run.memory,
+                           tokenizer=build["tokenizer"], advantage=run.advantage, loss=run.loss,
+                           callbacks=build["callbacks"], resume_from=resume_from, tools=build["tools"],
+                           environment_factory=build["environment_factory"])
+    native.scheduler = trl_scheduler(native.optimizer, run.schedule, start=native.state.step)
+    return native
+
+
+def trl_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule, *, start: int = 0) -> Any:
+    """``transformers.get_scheduler`` of ``schedule``, advanced ``start`` steps (a resumed run)."""
+    from transformers import get_scheduler
+
+    scheduler = get_scheduler(schedule.name, optimizer, num_warmup_steps=schedule.warmup_steps,
+                              num_training_steps=schedule.total_steps,
+                              scheduler_specific_kwargs=schedule.kwargs or None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+        for _ in range(start):
+            scheduler.step()
+    return scheduler
+
+
+def _source(native: NativeTrainer) -> nn.Module:
+    """The model object to build a resumed trainer from: the adapters the plan added are taken out again
+    (the checkpoint brings them back); the weights are the checkpoint's."""
+    model = native.model
+    return model.unload() if native.memory.lora is not None else model
+
+
+def _argument_problems(args: GRPOConfig, reward_funcs: Any, train_dataset: Any, eval_dataset: Any,
+                       reward_processing_classes: Any, callbacks: Any, optimizers: Any,
+                       quantization_config: Any, rollout_func: Any) -> list[Problem]:
+    """The trainer's arguments with no equivalent here."""
+    found = []
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    for func in funcs:
+        if func is None or isinstance(func, (str, Path, nn.Module)) or not callable(func):
+            found.append(problem("reward_funcs", func, "rewards here are functions (or grpo_engine Reward "
+                                 "objects); a reward model is not loaded",
+                                 "def reward(completions, **kwargs) -> list[float], which may call your "
+                                 "reward model"))
+    weights = args.reward_weights
+    if weights is not None and len(weights) != len(funcs):
+        found.append(problem("reward_weights", weights, f"{len(weights)} weights for {len(funcs)} reward "
+                             "functions", f"one weight per reward function ({len(funcs)})"))
+    if train_dataset is None:
+        found.append(problem("train_dataset", None, "GRPO samples its prompts from it", "a datasets.Dataset "
+                             "with a 'prompt' column"))
+    if isinstance(eval_dataset, dict):
+        found.append(problem("eval_dataset", "a dict of datasets", "HeldOutEval evaluates one dataset",
+                             "eval_dataset=one datasets.Dataset"))
+    if str(args.eval_strategy) == "steps" and eval_dataset is None:
+        found.append(problem("eval_strategy", "steps", "evaluation needs an eval_dataset",
+                             "pass eval_dataset, or eval_strategy='no'"))
+    other = [type(c).__name__ for c in callbacks or [] if not isinstance(c, Callback)]
+    if other:
+        found.append(problem("callbacks", other, "transformers' TrainerCallback events (on_log, on_evaluate, "
+                             "...) are not raised here", "a grpo_engine.callbacks.Callback (on_step_end, "
+                             "on_rollout, on_save, ...)"))
+    if optimizers is not None and tuple(optimizers) != (None, None):
+        found.append(problem("optimizers", optimizers, "the trainer builds its AdamW and TRL's schedule",
+                             "optim, learning_rate, lr_scheduler_type, weight_decay, adam_beta1/2"))
+    refused = {"reward_processing_classes": (reward_processing_classes, "no reward model is loaded",
+                                             "tokenize inside your reward function"),
+               "quantization_config": (quantization_config, "a 4-bit base is the native MemoryPlan's",
+                                       "GRPOTrainer(..., memory=MemoryPlan(quantization='nf4', lora=LoRA())) "
+                                       "from grpo_engine"),
+               "rollout_func": (rollout_func, "rollouts are the sampler's (with tools: several turns)",
+                                "tools=[...] / environment_factory=..., or a Sampler on the native trainer")}
+    found += [problem(name, value, why, near) for name, (value, why, near) in refused.items()
+              if value is not None]
+    if args.use_cpu and torch.cuda.is_available():
+        found.append(problem("use_cpu", True, "the trainer trains on the GPU it finds",
+                             "CUDA_VISIBLE_DEVICES='' in the environment"))
+    return found
+
+
+def _rewards(reward_funcs: Any, weights: list[float] | None) -> list[Any]:
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if weights is None:
+        return funcs
+    return [FunctionReward(f, weight=w) for f, w in zip(funcs, weights, strict=True)]
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:  # a stream
+        return None
+
+
+def _context(model: Any) -> int | None:
+    """The model's context (``max_position_embeddings``), read from its config (None when unknown)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(str(model))
+        except (OSError, ValueError):
+            return None
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _bf16_device() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

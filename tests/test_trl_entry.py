@@ -1,0 +1,303 @@
+"""TRL's entry point (grpo_engine.trl): the field table against trl, the config resolved as TRL resolves
+it, the mapping onto the native records (numbers, not motion), every refusal naming field, why and nearest,
+and TRL's quickstart run with only its import line changed, on the tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+
+from grpo_engine.callbacks import Callback
+from grpo_engine.trl import GRPOConfig, GRPOTrainer, TRLSettingError
+from grpo_engine.trl.fields import TRL_FIELDS, TRL_VERSION
+from grpo_engine.trl.mapping import Schedule, native_run
+from grpo_engine.trl.refused import MAPPED, REFUSED
+from grpo_engine.trl.trainer import trl_scheduler
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning",
+                                        "ignore:step \\d+. every group has identical rewards")
+
+
+def _plain(value):
+    """An enum as its value, a list of them as a list of values (TrainingArguments' enums are strings)."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _trl():
+    trl = pytest.importorskip("trl")
+    if trl.__version__ != TRL_VERSION:
+        pytest.skip(f"the table is TRL {TRL_VERSION}'s; trl {trl.__version__} is installed")
+    return trl
+
+
+def test_the_field_table_is_trls():
+    """Every field of trl.GRPOConfig, in TRL's order, with TRL's default (regenerate the table from
+    dataclasses.fields(trl.GRPOConfig) when trl moves)."""
+    trl = _trl()
+    theirs = {}
+    for f in dataclasses.fields(trl.GRPOConfig):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        theirs[f.name] = _plain(default)
+    assert len(theirs) == 191 and list(TRL_FIELDS) == list(theirs)
+    assert TRL_FIELDS == theirs
+
+
+def test_every_field_is_mapped_or_refused():
+    assert set(MAPPED) | set(REFUSED) == set(TRL_FIELDS) and not set(MAPPED) & set(REFUSED)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"num_generations": 4, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+    {"generation_batch_size": 16, "per_device_train_batch_size": 4}, {"steps_per_generation": 3},
+    {"scale_rewards": False, "epsilon": 0.1}, {"eval_strategy": "steps", "logging_steps": 5, "bf16": False},
+    {"report_to": "tensorboard", "gradient_checkpointing": False, "epsilon_high": 0.28}])
+def test_the_config_resolves_as_trl_does(kwargs):
+    trl = _trl()
+    ours = GRPOConfig(output_dir="o", use_cpu=True, **kwargs)
+    theirs = trl.GRPOConfig("o", use_cpu=True, **kwargs)
+    # accelerate's objects, and TRL's trainer (not its config) resolves epsilon_high
+    skip = {"accelerator_config", "dataloader_pin_memory", "epsilon_high"}
+    pairs = {f.name: (getattr(ours, f.name), _plain(getattr(theirs, f.name)))
+             for f in dataclasses.fields(theirs)}
+    assert {name: pair for name, pair in pairs.items() if name not in skip and pair[0] != pair[1]} == {}
+    assert ours.epsilon_high == (theirs.epsilon_high if theirs.epsilon_high is not None else theirs.epsilon)
+
+
+def test_an_unknown_keyword_is_a_type_error_and_trls_own_checks_hold():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_generation'; did you mean "
+                                        "'num_generations'"):
+        GRPOConfig(num_generation=8)
+    with pytest.raises(ValueError, match=r"generation_batch_size \(8\) must be divisible by num_generations"):
+        GRPOConfig(num_generations=3)
+    assert GRPOConfig("out").output_dir == "out" and GRPOConfig().output_dir == "trainer_output"
+
+
+def run(num_prompts=100, context=256, device_bf16=False, **kwargs):
+    return native_run(GRPOConfig(**kwargs), num_prompts=num_prompts, context_tokens=context,
+                      device_bf16=device_bf16)
+
+
+def test_trls_defaults_become_these_native_settings():
+    r = run(max_completion_length=64)
+    c, m = r.config, r.memory
+    assert (c.prompts_per_step, c.group_size, m.micro_batch_size, c.updates_per_batch) == (1, 8, 8, 1)
+    assert c.max_steps == 300  # 3 epochs of 100 prompts, one prompt x 8 completions a step
+    assert (c.learning_rate, c.adam_betas, c.adam_eps, c.weight_decay, c.max_grad_norm, c.seed) == (
+        1e-6, (0.9, 0.999), 1e-8, 0.0, 1.0, 42)
+    assert (c.log_every_steps, c.save_every_steps, c.max_completion_tokens, c.max_prompt_tokens) == (
+        10, 500, 64, 192)
+    assert (c.lr_schedule, c.overlong_prompts, c.report_to, c.output_dir) == ("linear", "error", [],
+                                                                              "trainer_output")
+    assert m.gradient_checkpointing and m.compute_dtype is None and m.dtype == "float32"  # no bf16 GPU here
+    assert r.notes and "bf16=True" in r.notes[0]
+    loss = r.loss
+    assert (loss.aggregation, loss.clip_eps_low, loss.clip_eps_high, loss.kl_coef) == ("token", 0.2, 0.2, 0.0)
+    assert (r.advantage.std_scope, r.advantage.eps) == ("group", 1e-4)
+    assert r.schedule == Schedule("linear", 0, 300, {}) and r.eval_every_steps is None
+
+
+def test_the_generation_batch_becomes_prompts_per_step(monkeypatch):
+    r = run(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    assert (r.config.prompts_per_step, r.memory.micro_batch_size) == (4, 4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run(num_generations=4, per_device_train_batch_size=8).config.prompts_per_step == 4
+    with pytest.raises(TRLSettingError, match=r"steps_per_generation=2: a generation batch of 16 "
+                                              r"completions spread over 2 / 1 optimizer steps.*nearest: "
+                                              r"leave it unset.* = 8"):
+        run(num_generations=4, per_device_train_batch_size=4, steps_per_generation=2)
+
+
+def test_num_iterations_divides_trls_step_counts():
+    c = run(num_iterations=2, max_steps=11, logging_steps=3, save_steps=5, warmup_steps=3,
+            lr_scheduler_type="cosine").config
+    assert (c.updates_per_batch, c.max_steps, c.log_every_steps, c.save_every_steps, c.warmup_steps) == (
+        2, 6, 2, 3, 2)
+    r = run(num_prompts=10, num_train_epochs=2, num_generations=4, per_device_train_batch_size=8,
+            warmup_steps=0.1)  # 2 prompts a step: 5 a epoch, 10 in all; a warm-up of 10% is 1 step
+    assert (r.config.max_steps, r.schedule.warmup_steps) == (10, 1)
+    assert run(logging_steps=0.25, max_steps=40).config.log_every_steps == 10
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"loss_type": "grpo"}, ("ClippedSurrogate", "sequence", 0.2, 0.2)),
+    ({"loss_type": "dr_grpo", "max_completion_length": 32}, ("ClippedSurrogate", "constant", 0.2, 0.2)),
+    ({"loss_type": "bnpo"}, ("ClippedSurrogate", "token", 0.2, 0.2)),
+    ({"loss_type": "dapo", "epsilon_high": 0.28}, ("ClippedSurrogate", "token", 0.2, 0.28)),
+    ({"loss_type": "cispo", "epsilon_high": 5.0}, ("CISPO", None, None, 4.0)),
+    ({"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
+     ("GSPO", None, 3e-4, 4e-4)),
+])
+def test_each_loss_type_becomes_its_loss(kwargs, expected):
+    loss = run(**kwargs).loss
+    found = (type(loss).__name__, getattr(loss, "aggregation", None), loss.clip_eps_low, loss.clip_eps_high)
+    assert found == expected
+    if kwargs["loss_type"] == "dr_grpo":
+        assert loss.max_completion_tokens == 32
+
+
+def test_loss_and_advantage_settings_carry_over():
+    r = run(beta=0.04, use_bias_correction_kl=False, mask_truncated_completions=True,
+            top_entropy_quantile=0.2, delta=2.0, scale_rewards="batch")
+    loss = r.loss
+    assert (loss.kl_coef, loss.mask_truncated, loss.top_entropy_quantile, loss.delta) == (0.04, True, 0.2, 2)
+    assert r.advantage.std_scope == "batch" and run(scale_rewards=False).advantage.std_scope == "none"
+
+
+def test_precision_follows_trl():
+    assert run(device_bf16=True).memory.compute_dtype == "bfloat16"
+    assert run(use_cpu=True).memory.compute_dtype == "bfloat16" and not run(use_cpu=True).notes
+    assert run(bf16=False).memory.compute_dtype is None and not run(bf16=False).notes
+    assert run(fp16=True).memory.compute_dtype == "float16"
+    plan = run(device_bf16=True, model_init_kwargs={"dtype": "bfloat16"}).memory
+    assert (plan.dtype, plan.compute_dtype) == ("bfloat16", None)
+    assert run(optim="adamw_8bit", bf16=False).memory.optimizer == "adamw8bit"
+
+
+def _changed(value):
+    """A value other than ``value`` of the same kind."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "_other"
+    if isinstance(value, list):
+        return [*value, "other"]
+    if isinstance(value, dict):
+        return {**value, "other": 1}
+    return 7
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_each_refused_field_names_itself_why_and_the_nearest(name):
+    value = _changed(getattr(GRPOConfig(), name))
+    with pytest.raises(TRLSettingError) as caught:
+        run(**{name: value})
+    (field, message), = [p for p in caught.value.problems if p[0] == name]
+    why, nearest = REFUSED[name]
+    assert message == f"{name}={value!r}: {why}; nearest: {nearest}"
+    assert f"  - {message}" in str(caught.value)
+
+
+@pytest.mark.parametrize("kwargs, field, words", [
+    ({"loss_type": "sapo"}, "loss_type", "issue 53"), ({"loss_type": "vespo"}, "loss_type", "issue 53"),
+    ({"loss_type": "luspo"}, "loss_type", "issue 53"),
+    ({"loss_type": "bnpo", "gradient_accumulation_steps": 2}, "loss_type", "loss_type='dapo'"),
+    ({"loss_type": "cispo"}, "epsilon_high", "epsilon_high=5.0"),
+    ({"beta": 0.04}, "beta", "use_bias_correction_kl=False"),
+    ({"importance_sampling_level": "sequence"}, "importance_sampling_level", "loss_type='grpo'"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type", "'linear'"),
+    ({"optim": "sgd"}, "optim", "adamw_torch"), ({"save_strategy": "epoch"}, "save_strategy", "'steps'"),
+    ({"report_to": "mlflow"}, "report_to", "tensorboard"),
+    ({"max_completion_length": None}, "max_completion_length", "512"),
+    ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model_init_kwargs", "'dtype'"),
+])
+def test_settings_without_an_equivalent_are_refused_by_name(kwargs, field, words):
+    with pytest.raises(TRLSettingError) as caught:
+        run(**kwargs)
+    assert [p[0] for p in caught.value.problems] == [field] and words in caught.value.problems[0][1]
+
+
+def test_every_problem_comes_in_one_error():
+    with pytest.raises(TRLSettingError, match=r"^3 TRL setting\(s\)") as caught:
+        run(loss_type="sapo", use_vllm=True, log_completions=True)
+    assert sorted(p[0] for p in caught.value.problems) == ["log_completions", "loss_type", "use_vllm"]
+
+
+def test_the_constructor_takes_every_parameter_of_trls():
+    trl = _trl()
+    theirs = list(inspect.signature(trl.GRPOTrainer.__init__).parameters)
+    ours = list(inspect.signature(GRPOTrainer.__init__).parameters)
+    assert theirs == ours
+
+
+def _reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+@pytest.mark.parametrize("argument, value", [
+    ("reward_funcs", "some/reward-model"), ("reward_processing_classes", object()),
+    ("optimizers", (object(), None)), ("quantization_config", object()), ("rollout_func", print),
+    ("callbacks", [object()]), ("eval_dataset", {"a": [], "b": []})])
+def test_trainer_arguments_without_an_equivalent_are_refused(argument, value, tiny_folder, tmp_path):
+    kwargs = {"reward_funcs": _reward_len, argument: value}
+    with pytest.raises(TRLSettingError) as caught:
+        GRPOTrainer(str(tiny_folder), args=GRPOConfig(str(tmp_path), bf16=False),
+                    train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), **kwargs)
+    assert [p[0] for p in caught.value.problems] == [argument] and "nearest" in str(caught.value)
+
+
+def test_trls_quickstart_runs_with_its_import_line_changed(tiny_folder, tmp_path):
+    """TRL's quickstart as docs/from_trl.md prints it: the dataset, model id and output folder point at
+    local ones, nothing else changes; TRL's run is 3 epochs of 2 prompts, one prompt a step."""
+    text = (DOCS / "from_trl.md").read_text()
+    code = re.search(r"<!-- not run: TRL's own quickstart, for comparison -->\n```python\n(.*?)```",
+                     text, re.DOTALL).group(1)
+    replaced = (code.replace("from trl import GRPOConfig, GRPOTrainer",
+                             "from grpo_engine.trl import GRPOConfig, GRPOTrainer")
+                .replace('load_dataset("trl-lib/tldr", split="train")', "DATASET")
+                .replace('"Qwen/Qwen2-0.5B-Instruct"', json.dumps(str(tiny_folder)))
+                .replace('output_dir="Qwen2-0.5B-GRPO"', f"output_dir={str(tmp_path / 'run')!r}"))
+    assert replaced.count("grpo_engine.trl") == 1 and replaced.count("DATASET") == 1
+    namespace = {"DATASET": Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"]})}
+    exec(compile(replaced, "docs/from_trl.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 6 and (tmp_path / "run" / "final").is_dir()
+    assert trainer.native.config.group_size == 8 and trainer.native.config.max_completion_tokens == 64
+    assert trainer.native.scheduler.get_last_lr()[0] == 0.0  # TRL's linear decay reached its end
+
+
+def _args(tmp_path, **kwargs):
+    return GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=4, bf16=False, gradient_checkpointing=False, logging_steps=1,
+                      disable_tqdm=True, **kwargs)
+
+
+def test_resume_from_checkpoint_continues_the_run_exactly(tiny_folder, tmp_path):
+    data = Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4", "Sum 5 and 6"]})
+    args = _args(tmp_path, max_steps=3, save_steps=1, learning_rate=1e-3, warmup_steps=1)
+    first = GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data)
+    whole = first.train()
+    resumed = GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data)
+    out = resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert out.global_step == 3 and resumed.native.scheduler.last_epoch == 3
+    assert out.metrics["lr"] == whole.metrics["lr"] == pytest.approx(1e-3 / 2)  # linear: (3 - 2) / (3 - 1)
+    assert out.metrics["loss"] == pytest.approx(whole.metrics["loss"], abs=1e-7)
+    assert out.metrics["reward/mean"] == whole.metrics["reward/mean"]
+
+
+def test_eval_dataset_is_evaluated_every_eval_steps_and_save_model_writes_the_policy(tiny_folder, tmp_path):
+    data = Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"], "answer": ["3", "7"]})
+    args = _args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2)
+    trainer = GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data, eval_dataset=data,
+                          callbacks=[Callback()])
+    trainer.train()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert ["eval/pass@1" in line for line in lines] == [False, True]
+    folder = trainer.save_model(str(tmp_path / "saved"))
+    assert (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
+
+
+def test_the_schedule_is_transformers_and_a_resumed_one_starts_where_it_was():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = Schedule("linear", warmup_steps=2, total_steps=4)
+    lrs = []
+    scheduler = trl_scheduler(optimizer, schedule)
+    for _ in range(4):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == [0.0, 0.5, 1.0, 0.5]  # transformers' warm-up starts at 0, unlike the native (step+1)/(w+1)
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    assert trl_scheduler(fresh, schedule, start=3).get_last_lr()[0] == 0.5
