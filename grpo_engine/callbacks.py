@@ -47,6 +47,8 @@ class TrainerState:
             made its first plan (a ``replan_step`` plans again from the steps since), else None.
         loss_metric_keys: the names of the loss's metrics seen so far (a step that trains no row logs
             them as 0).
+        max_steps: the run's step limit (``GRPOConfig.max_steps``; a time budget may end the run sooner,
+            ``planned_steps``). Not saved, like the two below.
         process_index, num_processes: this process's rank and the number of ranks (under
             ``torchrun``; 0 and 1 otherwise). Not saved: they describe the launch. Callbacks run on
             every rank and see the whole step's batch and metrics; one that writes or evaluates
@@ -64,8 +66,14 @@ class TrainerState:
     update_seconds: float = 0.0
     plan_mark: tuple[int, float, int, float] | None = None
     loss_metric_keys: tuple[str, ...] = ("loss",)
+    max_steps: int | None = None
     process_index: int = 0
     num_processes: int = 1
+
+    @property
+    def global_step(self) -> int:
+        """``step``, by the name ``transformers.TrainerState`` gives it (TRL's reward functions read it)."""
+        return self.step
 
     @property
     def is_world_process_zero(self) -> bool:
@@ -73,9 +81,10 @@ class TrainerState:
         return self.process_index == 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters a checkpoint keeps (not the launch's ``process_index`` / ``num_processes``)."""
+        """The counters a checkpoint keeps (not the launch's ``max_steps``, ``process_index``,
+        ``num_processes``)."""
         saved = asdict(self)
-        del saved["process_index"], saved["num_processes"]
+        del saved["max_steps"], saved["process_index"], saved["num_processes"]
         return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

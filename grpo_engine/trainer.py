@@ -105,6 +105,8 @@ class GRPOTrainer:
         self.world = world = World.current()  # this process's rank under torchrun (one process: 0 of 1)
         world.check_prompts_per_step(cfg.prompts_per_step)
         torch.manual_seed(cfg.seed)
+        self.state = TrainerState(temperature=cfg.temperature, max_steps=cfg.max_steps,
+                                  process_index=world.rank, num_processes=world.size)
         self.model, self.tokenizer = load_policy(model, tokenizer, memory, world, cfg.place_model)
         self._components(rewards, sampler, advantage, loss, entropy, template)
         self.sampler = with_tools(self.sampler, tools, environment_factory, cfg)  # multi-turn, with tools
@@ -117,8 +119,6 @@ class GRPOTrainer:
         self.parallel = parallelism(memory, world, filters_groups=self.group_filter is not None,
                                     full_reference=full_reference)
         self.reference = ReferencePolicy(self.model, memory) if needs_reference else None
-        self.state = TrainerState(temperature=cfg.temperature, process_index=world.rank,
-                                  num_processes=world.size)
         self.control, self.history, self.callbacks = TrainerControl(), [], list(callbacks)
         loggers = report_callbacks(cfg.report_to) if world.is_main else []  # last: they see every metric
         self.events = CallbackList([*self.callbacks, *loggers], self, self.state, self.control)
@@ -324,7 +324,7 @@ class GRPOTrainer:
         cfg, memory = self.config, self.memory
         self.rewards = rewards if isinstance(rewards, WeightedSum) else WeightedSum(
             [rewards] if callable(rewards) else list(rewards))  # one reward: TRL's reward_funcs=fn
-        self.reward_runner = trainer_runner(self.rewards.runner, cfg)  # the time limit and error policy
+        self.reward_runner = trainer_runner(self.rewards.runner, cfg, self.state)  # time limit, on error
         self.advantage = advantage if advantage is not None else GroupNormalized()
         self.loss = loss if loss is not None else ClippedSurrogate()
         self.entropy, self.template = entropy, template

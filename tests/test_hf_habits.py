@@ -4,6 +4,7 @@ from docs/from_trl.md running as written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -48,7 +49,8 @@ def test_a_dataset_with_extra_columns_reaches_a_plain_reward_function(tmp_path):
     assert len(prompts) == 4 and prompts[0] == prompts[1]  # one per completion: G = 2 per prompt
     by_prompt = {"3+4=": ("7", 1), "5+6=": ("11", 2), "7+1=": ("8", 3)}
     assert [(a, lv) for a, lv in zip(answers, levels)] == [by_prompt[p] for p in prompts]
-    assert targets == answers and others == ["index", "source"]
+    assert targets == answers
+    assert others == ["completion_ids", "index", "log_extra", "log_metric", "source", "trainer_state"]
     assert "reward/exact/mean" in metrics
 
 
@@ -127,6 +129,86 @@ def test_a_reward_that_returned_none_cannot_be_a_group_statistic():
                                                                 uncertainty=torch.zeros(2))
     with pytest.raises(ValueError, match=r"SemanticEntropy\(correct_key='sometimes'\): " + rule):
         SemanticEntropy(among="wrong", correct_key="sometimes")(batch, out)
+
+
+# -- TRL's reward conventions -------------------------------------------------------------------------------
+
+CHAT_ROWS = [{"prompt": [{"role": "system", "content": "Answer with a number."},
+                         {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+                         {"role": "user", "content": f"{a}+{b}?"}], "solution": f"${a + b}$"}
+             for a, b in ((3, 4), (5, 6))]
+
+
+def test_conversational_data_reaches_a_reward_as_trl_passes_it(tmp_path):
+    """Message prompts (a system turn, a few-shot turn): the completions arrive as assistant messages,
+    with their sampled ids, the trainer's state, the ``solution`` column (also the target), and a
+    ``log_metric`` whose numbers reach the log; bool scores count as 0 and 1."""
+    seen = {}
+
+    def graded(prompts, completions, completion_ids, trainer_state, solution, log_metric, **kwargs):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, solution=solution,
+                    step=(trainer_state.global_step, trainer_state.max_steps), target=kwargs["target"])
+        log_metric("ids_per_completion", sum(map(len, completion_ids)) / len(completion_ids))
+        return [len(ids) % 2 == 0 for ids in completion_ids]
+
+    tok = char_tokenizer()
+    trainer = GRPOTrainer(tiny_llama(len(tok)), graded, Dataset.from_list(CHAT_ROWS),
+                          GRPOConfig(output_dir=str(tmp_path), **SMALL), tokenizer=tok)
+    metrics = trainer.step()
+    assert seen["prompts"][0][0] == {"role": "system", "content": "Answer with a number."}
+    assert len(seen["prompts"][0]) == 4 and seen["step"] == (0, 1)
+    assert seen["solution"] == seen["target"] and seen["solution"][0] in ("$7$", "$11$")
+    texts = [tok.decode(ids, skip_special_tokens=True) for ids in seen["ids"]]
+    assert seen["completions"] == [[{"role": "assistant", "content": t}] for t in texts]
+    assert all(ids and all(isinstance(i, int) for i in ids) for ids in seen["ids"])
+    lengths = [len(ids) for ids in seen["ids"]]
+    assert metrics["reward/graded/ids_per_completion"] == pytest.approx(sum(lengths) / len(lengths))
+    assert metrics["reward/graded/mean"] == pytest.approx(sum(n % 2 == 0 for n in lengths) / len(lengths))
+
+
+def test_completions_are_text_for_text_prompts_or_when_asked():
+    got = []
+
+    def record(completions, **kwargs):
+        got.append(completions)
+        return [0.0] * len(completions)
+
+    chat = Prompt(({"role": "user", "content": "hi"},))
+    batch = make_batch([chat], ["a", "b"], group_size=2)
+    FunctionReward(record)(batch.row_prompts, batch.texts)
+    FunctionReward(record, conversational=False)(batch.row_prompts, batch.texts)
+    FunctionReward(record, conversational=True)([Prompt("hi"), Prompt("hi")], ["a", "b"])
+    FunctionReward(record)([Prompt("hi"), Prompt("hi")], ["a", "b"])
+    message = [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]]
+    assert got == [message, ["a", "b"], message, ["a", "b"]]
+    with pytest.raises(ValueError, match="conversational='yes' must be None"):
+        FunctionReward(record, conversational="yes")
+    with pytest.raises(RewardError, match=r"log_metric\('x', 'high'\): give a metric name and a number"):
+        FunctionReward(lambda completions, log_metric, **k: log_metric("x", "high"), name="m")(
+            batch.row_prompts, batch.texts)
+
+
+def test_the_functions_of_trl_rewards_work_as_they_are():
+    """``trl.rewards``' accuracy (math-verify on the ``solution`` column; None where the gold answer does not
+    parse), think-format and soft-overlong rewards, each scored here as TRL scores it."""
+    trl_rewards = pytest.importorskip("trl.rewards")
+    rows = [{"prompt": [{"role": "user", "content": "1+1?"}], "solution": "$2$"},
+            {"prompt": [{"role": "user", "content": "2+2?"}], "solution": "not math at all"}]
+    prompts = to_prompts(rows)
+    texts = ["<think>easy</think>The answer is $\\boxed{2}$.", "I think 3", "<think>hm</think>$4$", "4"]
+    batch = make_batch(prompts, texts, group_size=2)
+    ids = [[5] * 3, [5] * 5, [5] * 7, [5] * 2]
+    batch = dataclasses.replace(batch, completion_ids=torch.tensor([i + [0] * (7 - len(i)) for i in ids]),
+                                completion_mask=torch.tensor([[j < len(i) for j in range(7)] for i in ids]))
+    overlong = trl_rewards.get_soft_overlong_punishment(max_completion_len=6, soft_punish_cache=2)
+    out = WeightedSum([trl_rewards.accuracy_reward, trl_rewards.think_format_reward, overlong])(batch)
+    accuracy = out.breakdown["accuracy_reward"].flatten()
+    assert accuracy[:2].tolist() == [1.0, 0.0] and accuracy[2:].isnan().all()
+    assert out.breakdown["think_format_reward"].flatten().tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert out.breakdown["soft_overlong_punishment_reward"].flatten().tolist() == [0.0, -0.5, -1.0, 0.0]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    assert accuracy[:2].tolist() == trl_rewards.accuracy_reward(completions[:2], ["$2$"] * 2)
+    assert out.total.flatten().tolist() == [2.0, -0.5, 0.0, 0.0]
 
 
 # -- peft as users write it ----------------------------------------------------------------------------------

@@ -203,7 +203,8 @@ def test_it_imports_the_standard_library_only():
     """``-I -S``: no site-packages on its path, so nothing installed for the trainer (numpy, torch, this
     package) is importable, while the standard library is."""
     r = run_python("import sys, json, importlib.util\n"
-                   "print(json.dumps([sys.flags.no_site, sys.flags.isolated, [p for p in sys.path if 'site' in p],"
+                   "print(json.dumps([sys.flags.no_site, sys.flags.isolated,"
+                   " [p for p in sys.path if 'site' in p],"
                    " [m for m in ('numpy', 'torch', 'grpo_engine') if importlib.util.find_spec(m)]]))")
     assert r.ok, r.stderr
     assert json.loads(r.stdout) == [1, 1, [], []]

@@ -5,8 +5,8 @@ dicts, or ``Prompt`` objects (returned as they are).
   ``query``, ``input``, ``instruction``), plain text or a TRL-style conversation (a list of
   ``{"role", "content"}`` messages).
 - The reference answer is the ``answer`` column (default: the first of ``answer``, ``target``,
-  ``ground_truth``, ``reference_answer``, ``final_answer``; none found means no target), a string or a
-  number, optionally mapped by ``answer_fn`` (e.g. ``gsm8k_final_answer``).
+  ``ground_truth``, ``reference_answer``, ``final_answer``, ``solution`` (TRL's); none found means no
+  target), a string or a number, optionally mapped by ``answer_fn`` (e.g. ``gsm8k_final_answer``).
 - Every other column, the answer's included, travels in ``Prompt.metadata`` and reaches the rewards
   (a plain reward function receives each as a keyword argument), with the row's index for messages.
 - Every bad row is reported at once, in one :class:`DataError`.
@@ -23,7 +23,7 @@ from grpo_engine.types import Prompt
 __all__ = ["QUESTION_COLUMNS", "ANSWER_COLUMNS", "to_prompts"]
 
 QUESTION_COLUMNS = ("prompt", "question", "problem", "query", "input", "instruction")
-ANSWER_COLUMNS = ("answer", "target", "ground_truth", "reference_answer", "final_answer")
+ANSWER_COLUMNS = ("answer", "target", "ground_truth", "reference_answer", "final_answer", "solution")
 AUTO = "auto"
 
 

@@ -3,7 +3,9 @@ for failures.
 
 A reward is called once per batch: ``reward.score_rollout(batch)`` when it defines it (rewards on
 tokens, such as ``OverlongPenalty``), else ``reward(batch.row_prompts, batch.texts)`` (with
-``episodes=`` a multi-turn batch's, for a reward that sets ``reads_episodes``). The result must
+``episodes=`` a multi-turn batch's, for a reward that sets ``reads_episodes``; ``completion_ids=``, each
+row's sampled ids, and ``trainer_state=``, the run's :class:`~grpo_engine.callbacks.TrainerState` or
+None, for a reward that sets ``reads_tokens``: what TRL passes its reward functions). The result must
 be a floating tensor of shape [N] with finite values (NaN, "does not apply", only from a reward with
 ``allows_none``). With ``timeout_s`` the call runs in a worker thread and :class:`RewardTimeout` is
 raised after it (Python cannot stop the thread; it finishes, or not, in the background). On a
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -40,6 +42,7 @@ class RewardRunner:
     Args:
         timeout_s: seconds per reward per batch, or None for no limit (the call then runs in this thread).
         on_error: ``"raise"`` or ``"zero"`` (see the module docstring).
+        state: the run's ``TrainerState``, handed to rewards that read it (``trainer_state=``).
 
     Example:
         >>> RewardRunner(timeout_s=None).on_error
@@ -48,6 +51,7 @@ class RewardRunner:
 
     timeout_s: float | None = None
     on_error: Literal["raise", "zero"] = "raise"
+    state: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.on_error not in ("raise", "zero"):
@@ -60,8 +64,7 @@ class RewardRunner:
         """[N] checked float scores of ``reward`` on ``batch``, and how many samples failed (scored 0)."""
         n = batch.num_completions
         score_rollout = getattr(reward, "score_rollout", None)
-        episodes = batch.episodes if getattr(reward, "reads_episodes", False) else None
-        extra = lambda rows: {} if episodes is None else {"episodes": [episodes[i] for i in rows]}
+        extra = self._extra(reward, batch)
         run = (lambda: score_rollout(batch)) if callable(score_rollout) else (
             lambda: reward(batch.row_prompts, batch.texts, **extra(range(n))))
         try:
@@ -81,6 +84,20 @@ class RewardRunner:
             except RewardError:
                 failed += 1
         return scores, failed
+
+    def _extra(self, reward: Any, batch: RolloutBatch) -> Callable[[Any], dict[str, Any]]:
+        """The keyword arguments ``reward`` reads, for some of the batch's rows."""
+        episodes = batch.episodes if getattr(reward, "reads_episodes", False) else None
+        tokens = getattr(reward, "reads_tokens", False)
+        ids = [row[mask].tolist() for row, mask in zip(batch.completion_ids.cpu(),
+                                                        batch.completion_mask.cpu())] if tokens else []
+
+        def extra(rows: Any) -> dict[str, Any]:
+            out: dict[str, Any] = {} if episodes is None else {"episodes": [episodes[i] for i in rows]}
+            if tokens:
+                out.update(completion_ids=[ids[i] for i in rows], trainer_state=self.state)
+            return out
+        return extra
 
     def _within(self, run: Callable[[], Any], name: str, n: int) -> Any:
         """``run()``, in a worker thread when ``timeout_s`` is set; RewardTimeout after it."""
@@ -127,19 +144,20 @@ class RewardRunner:
                             allows_none=getattr(reward, "allows_none", False))
 
 
-def trainer_runner(own: RewardRunner | None, config: Any) -> RewardRunner:
+def trainer_runner(own: RewardRunner | None, config: Any, state: Any = None) -> RewardRunner:
     """The runner a trainer scores with: the ``WeightedSum``'s own when the user set one there, else the
-    ``GRPOConfig``'s ``reward_timeout_s`` / ``on_reward_error``; never one silently over the other.
+    ``GRPOConfig``'s ``reward_timeout_s`` / ``on_reward_error``; never one silently over the other. It
+    hands ``state`` (the trainer's ``TrainerState``) to the rewards that read it.
 
     Raises:
         ValueError: both set them, differently.
     """
     configured = RewardRunner(config.reward_timeout_s, config.on_reward_error)
     if own is None:
-        return configured
+        return replace(configured, state=state)
     if own != configured and {"reward_timeout_s", "on_reward_error"} & config.model_fields_set:
         raise ValueError(f"WeightedSum(timeout_s={own.timeout_s!r}, on_error={own.on_error!r}) and "
                          f"GRPOConfig(reward_timeout_s={config.reward_timeout_s!r}, "
                          f"on_reward_error={config.on_reward_error!r}) both set how the rewards run, "
                          "differently; set them in one place (GRPOConfig)")
-    return own
+    return replace(own, state=state)
