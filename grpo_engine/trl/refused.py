@@ -70,7 +70,6 @@ MAPPED: dict[str, str] = {
     "vllm_importance_sampling_cap": "none without use_vllm",
     "remove_unused_columns": "every column reaches the reward functions (TRL's default)",
     "per_device_eval_batch_size": "HeldOutEval samples the eval prompts greedily in its own batches",
-    "push_to_hub": "refused unless False",
 }
 
 _53 = "pending work (issue 53: more loss families)"
@@ -191,8 +190,8 @@ REFUSED: dict[str, tuple[str, str]] = {
                                                 "leave it False"),
     "resume_from_checkpoint": ("resuming is the train() argument, as in TRL's Trainer",
                                "trainer.train(resume_from_checkpoint=True)"),
-    "hub_token": _HUB, "hub_private_repo": _HUB, "hub_model_id": _HUB, "hub_strategy": _HUB,
-    "hub_always_push": _HUB, "hub_revision": _HUB,
+    "push_to_hub": _HUB, "hub_token": _HUB, "hub_private_repo": _HUB, "hub_model_id": _HUB,
+    "hub_strategy": _HUB, "hub_always_push": _HUB, "hub_revision": _HUB,
     # -- launch and data loading ------------------------------------------------------------------
     "accelerator_config": ("there is no accelerate here; torchrun launches the processes",
                            "torchrun --nproc_per_node K script.py"),
