@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import inspect
 import json
+import math
 import re
 from pathlib import Path
 
@@ -16,11 +17,14 @@ import torch
 from datasets import Dataset
 
 from grpo_engine.callbacks import Callback
+from grpo_engine.losses.clipped import ClippedSurrogate
+from grpo_engine.losses.terms import RatioWeightedKL
 from grpo_engine.trl import GRPOConfig, GRPOTrainer, TRLSettingError
 from grpo_engine.trl.fields import TRL_FIELDS, TRL_VERSION
 from grpo_engine.trl.mapping import Schedule, native_run
 from grpo_engine.trl.refused import MAPPED, REFUSED
 from grpo_engine.trl.trainer import trl_scheduler
+from grpo_engine.types import MicroBatch
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning",
@@ -154,6 +158,53 @@ def test_loss_and_advantage_settings_carry_over():
     assert r.advantage.std_scope == "batch" and run(scale_rewards=False).advantage.std_scope == "none"
 
 
+def test_the_bias_corrected_kl_has_the_ratios_gradient():
+    """One token, logprob x = 0 on-policy, ref r = -1: k3 = e^(r-x) - (r-x) - 1 = e^-1, and
+    d(r_t k3)/dx = k3 + dk3/dx = e^-1 + (1 - e^-1) = 1, where the unweighted KL's is 1 - e^-1."""
+    logp = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
+    batch = MicroBatch(completion_mask=torch.ones(1, 1, dtype=torch.bool), advantages=torch.zeros(1,
+                       dtype=torch.float64), ref_logprobs=torch.full((1, 1), -1.0, dtype=torch.float64))
+    for loss_fn, slope in ((ClippedSurrogate(aggregation="token", terms=(RatioWeightedKL(0.5),)), 0.5),
+                           (ClippedSurrogate(aggregation="token", kl_coef=0.5), 0.5 * (1 - math.exp(-1)))):
+        logp.grad = None
+        out = loss_fn(logp, batch, num_valid_tokens=1, num_sequences=1)
+        out.loss.backward()
+        assert out.loss.item() == pytest.approx(0.5 * math.exp(-1))
+        assert logp.grad.item() == pytest.approx(slope)
+
+
+@pytest.mark.parametrize("kwargs", [{"beta": 0.04}, {"beta": 0.04, "epsilon_high": 0.28, "loss_type": "grpo"},
+                                    {"beta": 0.1, "use_bias_correction_kl": False, "loss_type": "dr_grpo"}])
+def test_the_loss_is_trls_compute_loss(kwargs):
+    """TRL 1.16's compute_loss written out in float64 (token level, clip, KL times the ratio when
+    use_bias_correction_kl, then its loss_type's aggregation): the same value and gradient, off-policy."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    old = -torch.rand(2, 3, dtype=torch.float64)
+    logp = (old + 0.3 * torch.randn(2, 3, dtype=torch.float64)).requires_grad_()
+    ref = old + 0.2 * torch.randn(2, 3, dtype=torch.float64)
+    adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    args = GRPOConfig(max_completion_length=3, bf16=False, **kwargs)
+    loss_fn = native_run(args, num_prompts=8, context_tokens=64, device_bf16=False).loss
+    batch = MicroBatch(completion_mask=mask, advantages=adv, old_logprobs=old, ref_logprobs=ref)
+    ours = loss_fn(logp, batch, num_valid_tokens=5, num_sequences=2).loss
+    (grad,) = torch.autograd.grad(ours, logp)
+    coef_1 = torch.exp(logp - old)
+    coef_2 = coef_1.clamp(1 - args.epsilon, 1 + args.epsilon_high)
+    per_token = -torch.minimum(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    per_token = per_token + args.beta * (kl * coef_1 if args.use_bias_correction_kl else kl)
+    if args.loss_type == "grpo":
+        theirs = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
+    elif args.loss_type == "dr_grpo":
+        theirs = (per_token * mask).sum() / (2 * args.max_completion_length)
+    else:
+        theirs = (per_token * mask).sum() / mask.sum()
+    (expected,) = torch.autograd.grad(theirs, logp)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
+    assert torch.allclose(grad, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_precision_follows_trl():
     assert run(device_bf16=True).memory.compute_dtype == "bfloat16"
     assert run(use_cpu=True).memory.compute_dtype == "bfloat16" and not run(use_cpu=True).notes
@@ -195,7 +246,7 @@ def test_each_refused_field_names_itself_why_and_the_nearest(name):
     ({"loss_type": "luspo"}, "loss_type", "issue 53"),
     ({"loss_type": "bnpo", "gradient_accumulation_steps": 2}, "loss_type", "loss_type='dapo'"),
     ({"loss_type": "cispo"}, "epsilon_high", "epsilon_high=5.0"),
-    ({"beta": 0.04}, "beta", "use_bias_correction_kl=False"),
+    ({"beta": 0.04, "loss_type": "cispo", "epsilon_high": 5.0}, "beta", "use_bias_correction_kl=False"),
     ({"importance_sampling_level": "sequence"}, "importance_sampling_level", "loss_type='grpo'"),
     ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type", "'linear'"),
     ({"optim": "sgd"}, "optim", "adamw_torch"), ({"save_strategy": "epoch"}, "save_strategy", "'steps'"),
@@ -279,12 +330,12 @@ def test_resume_from_checkpoint_continues_the_run_exactly(tiny_folder, tmp_path)
 
 def test_eval_dataset_is_evaluated_every_eval_steps_and_save_model_writes_the_policy(tiny_folder, tmp_path):
     data = Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"], "answer": ["3", "7"]})
-    args = _args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2)
+    args = _args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, beta=0.04)  # a reference
     trainer = GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data, eval_dataset=data,
                           callbacks=[Callback()])
     trainer.train()
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert ["eval/pass@1" in line for line in lines] == [False, True]
+    assert ["eval/pass@1" in line for line in lines] == [False, True] and "kl" in lines[0]
     folder = trainer.save_model(str(tmp_path / "saved"))
     assert (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
 

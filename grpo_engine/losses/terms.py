@@ -8,8 +8,8 @@ needs (:class:`~grpo_engine.types.Requirements`); the loss checks that the micro
 The terms: :class:`MaskTruncated` (DAPO's overlong filtering), :class:`TruncatedIS` (truncated
 importance sampling against the sampler's log-probs), :class:`HighEntropyTokens` (the policy term on
 the top-ρ entropy tokens only, arXiv 2506.01939), :class:`KLPenalty` (β · a KL estimator to the
-reference, GRPO's) and :class:`EntropyBonus` (-c · token entropy). Padded positions never reach
-arithmetic.
+reference, GRPO's), :class:`RatioWeightedKL` (the same times the ratio, TRL's bias-corrected KL) and
+:class:`EntropyBonus` (-c · token entropy). Padded positions never reach arithmetic.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator
 from grpo_engine.ops.tokens import high_entropy_mask
 from grpo_engine.types import MicroBatch, Requirements, TokenLoss
 
-__all__ = ["MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "EntropyBonus", "kl_tokens"]
+__all__ = ["MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "RatioWeightedKL",
+           "EntropyBonus", "kl_tokens"]
 
 
 def kl_tokens(name: str, logp: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -160,6 +161,34 @@ class KLPenalty:
         kl = kl_tokens(self.estimator, tokens.logprobs, batch.ref_logprobs, tokens.mask)
         share = token_share(kl, tokens.mask, tokens.num_valid_tokens).detach()
         return tokens.replace(penalty=tokens.penalty + self.coef * kl, metrics={"kl": share})
+
+
+@dataclass(frozen=True)
+class RatioWeightedKL:
+    """Penalty: ``coef`` · r_t · an estimator k_t of KL(π_θ ‖ π_ref) per token, r_t = π_θ / π_old with its
+    gradient (TRL's ``use_bias_correction_kl=True``, after DeepSeek-V3.2, arXiv 2512.02556: samples of
+    π_old give the reverse-KL gradient without bias). On-policy r_t is 1 in value but not in gradient:
+    ∇(r k) = k ∇log π_θ + ∇k. Metric ``kl``: the token mean of r_t · k_t, as TRL logs it."""
+
+    coef: float
+    estimator: str = "k3"
+
+    def __post_init__(self) -> None:
+        KLPenalty(self.coef, self.estimator)  # the same checks
+
+    def __str__(self) -> str:  # how errors name it: the setting that made it
+        return f"ratio-weighted kl_coef={self.coef}"
+
+    @property
+    def requires(self) -> Requirements:
+        return Requirements(ref_logprobs=True, zero_advantage_rows=True)
+
+    def __call__(self, tokens: TokenLoss, batch: MicroBatch) -> TokenLoss:
+        kl = kl_tokens(self.estimator, tokens.logprobs, batch.ref_logprobs, tokens.mask)
+        ratio = safe_exp(tokens.logprobs - tokens.old_logprobs.detach())
+        weighted = torch.where(tokens.mask, ratio * kl, torch.zeros_like(kl))
+        share = token_share(weighted, tokens.mask, tokens.num_valid_tokens).detach()
+        return tokens.replace(penalty=tokens.penalty + self.coef * weighted, metrics={"kl": share})
 
 
 @dataclass(frozen=True)

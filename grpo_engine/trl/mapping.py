@@ -12,8 +12,9 @@ here, each with why and the nearest setting.
   batches, so ``max_steps``, ``logging_steps``, ``save_steps``, ``eval_steps`` and the warm-up become
   ceil(steps / num_iterations). ``max_steps=-1`` runs ``num_train_epochs`` over the dataset as TRL counts
   them: ceil(epochs x (len(dataset) // prompts_per_step) x num_iterations) optimizer steps.
-- The loss (``loss_type``; TRL's clip ``epsilon`` / ``epsilon_high``, ``delta``, ``beta``): grpo -> the
-  per-sequence mean, dapo -> the token mean over the step, dr_grpo -> the token sum over N x
+- The loss (``loss_type``; TRL's clip ``epsilon`` / ``epsilon_high``, ``delta``, ``beta``: with
+  ``use_bias_correction_kl`` the KL times the ratio, :class:`~grpo_engine.losses.terms.RatioWeightedKL`):
+  grpo -> the per-sequence mean, dapo -> the token mean over the step, dr_grpo -> the token sum over N x
   max_completion_length, bnpo -> dapo's where one micro-batch is the whole step (else refused), cispo ->
   :class:`~grpo_engine.losses.cispo.CISPO` (TRL caps the weight at epsilon_high, here at 1 + clip_eps_high),
   ``importance_sampling_level="sequence"`` with grpo -> :class:`~grpo_engine.losses.gspo.GSPO`.
@@ -36,6 +37,7 @@ from grpo_engine.config import GRPOConfig as NativeConfig
 from grpo_engine.losses.cispo import CISPO
 from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.gspo import GSPO
+from grpo_engine.losses.terms import RatioWeightedKL
 from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.trl.fields import TRL_FIELDS
 from grpo_engine.trl.refused import REFUSED
@@ -281,11 +283,11 @@ def _loss(args: Any, found: list[Problem]) -> Any:
     """The loss of ``loss_type`` with TRL's clip, δ and KL."""
     kind, level, beta = args.loss_type, args.importance_sampling_level, args.beta
     low, high = args.epsilon, args.epsilon_high
-    if beta and args.use_bias_correction_kl:
+    weighted_kl = bool(beta) and bool(args.use_bias_correction_kl)
+    if weighted_kl and (level == "sequence" or kind == "cispo"):
         found.append(problem("beta", beta, "with use_bias_correction_kl=True (TRL's default) TRL multiplies "
-                             "each token's KL by its importance ratio, which changes the KL gradient; the KL "
-                             "here is not weighted", "use_bias_correction_kl=False (the k3 KL of GRPO, as "
-                             "here), or beta=0.0 (TRL's default)"))
+                             "each token's KL by the importance ratio, which GSPO and CISPO here do not",
+                             "use_bias_correction_kl=False (the k3 KL of GRPO), or beta=0.0 (TRL's default)"))
     if level == "sequence":
         if kind != "grpo":
             found.append(problem("importance_sampling_level", level, f"a sequence-level ratio with "
@@ -312,7 +314,8 @@ def _loss(args: Any, found: list[Problem]) -> Any:
         found.append(problem("loss_type", kind, _LOSS_WHY.get(kind, "not a TRL loss_type"),
                              "loss_type='dapo' (TRL's default: the token mean over the step)"))
         return None
-    return ClippedSurrogate(clip_eps_low=low, clip_eps_high=high, kl_coef=beta, aggregation=aggregation,
+    return ClippedSurrogate(clip_eps_low=low, clip_eps_high=high, kl_coef=0.0 if weighted_kl else beta,
+                            terms=(RatioWeightedKL(beta),) if weighted_kl else (), aggregation=aggregation,
                             max_completion_tokens=args.max_completion_length if kind == "dr_grpo" else None,
                             delta=args.delta, mask_truncated=bool(args.mask_truncated_completions),
                             top_entropy_quantile=(args.top_entropy_quantile if args.top_entropy_quantile < 1

@@ -59,7 +59,7 @@ MAPPED: dict[str, str] = {
     "delta": "ClippedSurrogate.delta",
     "loss_type": "the loss: ClippedSurrogate aggregation, CISPO",
     "importance_sampling_level": "GSPO ('sequence')",
-    "use_bias_correction_kl": "False with beta: the k3 KL of the loss",
+    "use_bias_correction_kl": "with beta: RatioWeightedKL (True), the loss's k3 KL (False)",
     "scale_rewards": "GroupNormalized(std_scope=..., eps=1e-4)",
     "mask_truncated_completions": "ClippedSurrogate.mask_truncated",
     "top_entropy_quantile": "ClippedSurrogate.top_entropy_quantile",
