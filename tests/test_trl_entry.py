@@ -352,3 +352,45 @@ def test_the_schedule_is_transformers_and_a_resumed_one_starts_where_it_was():
     assert lrs == [0.0, 0.5, 1.0, 0.5]  # transformers' warm-up starts at 0, unlike the native (step+1)/(w+1)
     fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     assert trl_scheduler(fresh, schedule, start=3).get_last_lr()[0] == 0.5
+
+
+def test_push_to_hub_saves_the_hub_layout_then_uploads_it(tiny_folder, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "create_repo",
+                        lambda repo_id, **kw: calls.append(("create", repo_id, kw)))
+    monkeypatch.setattr(huggingface_hub, "upload_folder",
+                        lambda **kw: calls.append(("upload", kw)) or "commit")
+    args = _args(tmp_path, max_steps=1, save_steps=1, push_to_hub=True, hub_model_id="me/tiny-grpo",
+                 hub_private_repo=True)
+    data = Dataset.from_dict({"prompt": ["a", "b"]})
+    GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data).train()
+    (_, repo, created), (_, upload) = calls
+    run = tmp_path / "run"
+    assert (repo, created["private"], upload["repo_id"], upload["folder_path"]) == ("me/tiny-grpo", True,
+                                                                                   "me/tiny-grpo", str(run))
+    assert {"checkpoint-*", "final/*"} <= set(upload["ignore_patterns"])
+    assert {"config.json", "model.safetensors", "tokenizer_config.json", "README.md"} <= {
+        p.name for p in run.iterdir()}
+
+
+def test_an_offline_push_fails_with_the_reason_and_loses_nothing(tiny_folder, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from grpo_engine.trl.hub import HubPushError
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network: huggingface.co could not be reached")
+
+    monkeypatch.setattr(huggingface_hub, "create_repo", offline)
+    args = _args(tmp_path, max_steps=2, save_steps=1, push_to_hub=True)
+    trainer = GRPOTrainer(str(tiny_folder), _reward_len, args,
+                          train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
+    with pytest.raises(HubPushError, match=r"failed: ConnectionError: no network.*Nothing saved is lost.*"
+                                           r"huggingface_hub.upload_folder\(repo_id='run'") as caught:
+        trainer.train()
+    run = tmp_path / "run"
+    assert caught.value.folder == run and (run / "model.safetensors").is_file()
+    assert {p.name for p in run.iterdir()} >= {"checkpoint-1", "checkpoint-2", "final", "metrics.jsonl"}
+    assert trainer.state.global_step == 2 and (run / "final" / "model.safetensors").is_file()

@@ -145,6 +145,10 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
     native["warmup_steps"] = schedule.warmup_steps if native["lr_schedule"] != "constant" else 0
     eval_every = (_every(args, "eval_steps", trl_steps, mu, found)
                   if str(args.eval_strategy) == "steps" else None)
+    if str(args.hub_strategy) not in ("every_save", "end"):
+        found.append(problem("hub_strategy", str(args.hub_strategy), "checkpoints are not pushed: the hub "
+                             "layout is pushed at the end of train() and by save_model / push_to_hub",
+                             "hub_strategy='end'"))
     if str(args.eval_strategy) not in ("no", "steps"):
         found.append(problem("eval_strategy", str(args.eval_strategy), "evaluation runs every eval_steps "
                              "steps here (HeldOutEval), never per epoch",

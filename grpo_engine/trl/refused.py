@@ -69,6 +69,11 @@ MAPPED: dict[str, str] = {
     "vllm_importance_sampling_clip_max": "none without use_vllm",
     "vllm_importance_sampling_cap": "none without use_vllm",
     "remove_unused_columns": "every column reaches the reward functions (TRL's default)",
+    "push_to_hub": "GRPOTrainer.push_to_hub at the end of train() and in save_model (grpo_engine.trl.hub)",
+    "hub_model_id": "the repository push_to_hub uploads to (default: the output_dir folder's name)",
+    "hub_token": "push_to_hub's token", "hub_private_repo": "push_to_hub's private repository",
+    "hub_revision": "push_to_hub's branch",
+    "hub_strategy": "'every_save' / 'end': pushed at the end of train(); the checkpoint strategies refused",
     "per_device_eval_batch_size": "HeldOutEval samples the eval prompts greedily in its own batches",
 }
 
@@ -81,8 +86,6 @@ _SPEED = "the native trainer builds its own data pipeline and process group"
 _LOGS = ("the run logs every metric to metrics.jsonl and the report_to backends",
          "logging_steps, report_to, or a grpo_engine.callbacks.Callback")
 _TRACKIO = ("trackio logs locally here", "report_to=['trackio'] and trackio's own settings")
-_HUB = ("the run is saved locally (output_dir/final, checkpoint-N)",
-        "huggingface_hub.upload_folder(folder_path=output_dir + '/final', repo_id=...)")
 
 REFUSED: dict[str, tuple[str, str]] = {
     # -- TRL's own: model and reference ------------------------------------------------------------
@@ -190,8 +193,8 @@ REFUSED: dict[str, tuple[str, str]] = {
                                                 "leave it False"),
     "resume_from_checkpoint": ("resuming is the train() argument, as in TRL's Trainer",
                                "trainer.train(resume_from_checkpoint=True)"),
-    "push_to_hub": _HUB, "hub_token": _HUB, "hub_private_repo": _HUB, "hub_model_id": _HUB,
-    "hub_strategy": _HUB, "hub_always_push": _HUB, "hub_revision": _HUB,
+    "hub_always_push": ("the hub layout is pushed at the end of train() and by save_model / push_to_hub",
+                        "leave it False"),
     # -- launch and data loading ------------------------------------------------------------------
     "accelerator_config": ("there is no accelerate here; torchrun launches the processes",
                            "torchrun --nproc_per_node K script.py"),

@@ -12,7 +12,9 @@ refusals, in one :class:`~grpo_engine.trl.mapping.TRLSettingError`.
 The learning rate follows TRL's schedule (``transformers.get_scheduler`` with TRL's warm-up rule) in place
 of the native one. ``train(resume_from_checkpoint=True | path)`` rebuilds the native trainer with
 ``resume_from`` (the native exact resume); ``save_model`` writes the policy (the adapter under LoRA) and the
-tokenizer with ``save_pretrained``, as TRL's does. ``native`` is the native trainer, for everything else.
+tokenizer with ``save_pretrained``, as TRL's does; ``push_to_hub`` (and ``args.push_to_hub``) writes the hub
+layout to ``output_dir`` and uploads it (:mod:`grpo_engine.trl.hub`). ``native`` is the native trainer, for
+everything else.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from grpo_engine.data.records import to_prompts
 from grpo_engine.rewards.function import FunctionReward
 from grpo_engine.trainer import GRPOTrainer as NativeTrainer
 from grpo_engine.trl.config import GRPOConfig
+from grpo_engine.trl.hub import model_card, push_folder
 from grpo_engine.trl.mapping import NativeRun, Problem, Schedule, native_run, problem
 
 __all__ = ["GRPOTrainer", "TrainOutput", "trl_scheduler"]
@@ -117,19 +120,48 @@ class GRPOTrainer:
             build = {**self.build, "model": model, "tokenizer": self.native.tokenizer}
             self.native = build_native(self.run, build, resume_from=where)
         history = self.native.train()
+        if self.args.push_to_hub:  # TRL pushes at each save (hub_strategy 'every_save'): here, the last
+            self.push_to_hub(commit_message="End of training")
         losses = [m["loss"] for m in history if "loss" in m]
         return TrainOutput(self.native.state.step, sum(losses) / max(1, len(losses)),
                            dict(history[-1]) if history else {})
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """Writes the policy (the adapter under LoRA) and the tokenizer to ``output_dir`` (default: the
-        config's), with ``save_pretrained``; rank 0 writes."""
-        folder = Path(output_dir or self.args.output_dir)
-        if self.native.world.is_main:
-            folder.mkdir(parents=True, exist_ok=True)
-            self.native.model.save_pretrained(folder)
-            self.native.tokenizer.save_pretrained(folder)
+        config's), with ``save_pretrained``; rank 0 writes. With ``push_to_hub``, pushes, as TRL's does."""
+        folder = save_pretrained(self.native, Path(output_dir or self.args.output_dir))
+        if self.args.push_to_hub:
+            self.push_to_hub(commit_message="Model save")
         return folder
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, **kwargs: Any) -> Any:
+        """Writes the hub layout to ``output_dir`` (the policy, the tokenizer, a model card; the
+        checkpoints stay out), then uploads it to ``hub_model_id`` (default: the ``output_dir`` folder's
+        name). ``kwargs``: TRL's model-card fields (``dataset_name`` is written; the rest are accepted).
+
+        Raises:
+            HubPushError: the push failed (offline, no token): the reason, and the saved folder kept.
+        """
+        if not self.native.world.is_main:
+            return None
+        folder = save_pretrained(self.native, Path(self.args.output_dir))
+        base = self.build["model"]
+        base = str(base) if isinstance(base, (str, Path)) else getattr(base.config, "_name_or_path", "model")
+        (folder / "README.md").write_text(model_card(base, kwargs.get("dataset_name")))
+        return push_folder(folder, repo_id=self.args.hub_model_id or folder.resolve().name,
+                           token=token or self.args.hub_token, private=self.args.hub_private_repo,
+                           revision=revision or self.args.hub_revision,
+                           commit_message=commit_message or "End of training")
+
+
+def save_pretrained(native: NativeTrainer, folder: Path) -> Path:
+    """The policy (the adapter under LoRA) and the tokenizer in ``folder``, written by rank 0."""
+    if native.world.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        native.model.save_pretrained(folder)
+        native.tokenizer.save_pretrained(folder)
+    return folder
 
 
 def build_native(run: NativeRun, build: dict[str, Any], *, resume_from: Any) -> NativeTrainer:
