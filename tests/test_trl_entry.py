@@ -21,7 +21,7 @@ from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.terms import RatioWeightedKL
 from grpo_engine.trl import GRPOConfig, GRPOTrainer, TRLSettingError
 from grpo_engine.trl.fields import TRL_FIELDS, TRL_VERSION
-from grpo_engine.trl.mapping import Schedule, native_run
+from grpo_engine.trl.mapping import Schedule, VLLMPlan, native_run
 from grpo_engine.trl.refused import MAPPED, REFUSED
 from grpo_engine.trl.trainer import trl_scheduler
 from grpo_engine.types import MicroBatch
@@ -262,8 +262,8 @@ def test_settings_without_an_equivalent_are_refused_by_name(kwargs, field, words
 
 def test_every_problem_comes_in_one_error():
     with pytest.raises(TRLSettingError, match=r"^3 TRL setting\(s\)") as caught:
-        run(loss_type="sapo", use_vllm=True, log_completions=True)
-    assert sorted(p[0] for p in caught.value.problems) == ["log_completions", "loss_type", "use_vllm"]
+        run(loss_type="sapo", vllm_group_port=1, log_completions=True)
+    assert sorted(p[0] for p in caught.value.problems) == ["log_completions", "loss_type", "vllm_group_port"]
 
 
 def test_the_constructor_takes_every_parameter_of_trls():
@@ -394,3 +394,34 @@ def test_an_offline_push_fails_with_the_reason_and_loses_nothing(tiny_folder, tm
     assert caught.value.folder == run and (run / "model.safetensors").is_file()
     assert {p.name for p in run.iterdir()} >= {"checkpoint-1", "checkpoint-2", "final", "metrics.jsonl"}
     assert trainer.state.global_step == 2 and (run / "final" / "model.safetensors").is_file()
+
+
+def test_use_vllm_becomes_the_vllm_sampler_and_its_correction():
+    r = run(use_vllm=True, vllm_gpu_memory_utilization=0.5, vllm_enable_sleep_mode=True,
+            max_completion_length=64, vllm_max_model_length=1024)
+    assert r.vllm == VLLMPlan("colocate", {"gpu_memory_utilization": 0.5, "sleep_between_steps": True,
+                                           "engine_kwargs": {}})
+    assert (r.loss.tis_cap, r.loss.tis_mode, r.config.max_prompt_tokens) == (3.0, "sequence_mask", 1024 - 64)
+    server = run(use_vllm=True, vllm_mode="server", vllm_server_port=8100)
+    assert server.vllm == VLLMPlan("server", {"base_url": "http://0.0.0.0:8100"})
+    assert "server_command" in " ".join(server.notes)
+    assert run(use_vllm=True, vllm_importance_sampling_correction=False).loss.tis_cap is None
+    assert run(vllm_gpu_memory_utilization=0.5).vllm is None  # without use_vllm TRL ignores them too
+
+
+def test_a_vllm_run_builds_the_server_sampler_or_says_what_is_missing(tiny_folder, tmp_path):
+    from grpo_engine.sampling.vllm_server import VLLMServerSampler
+
+    data = Dataset.from_dict({"prompt": ["a", "b"]})
+    args = _args(tmp_path, max_steps=1, use_vllm=True, vllm_mode="server",
+                 vllm_server_base_url="http://127.0.0.1:8123")
+    trainer = GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data)
+    sampler = trainer.native.sampler
+    assert isinstance(sampler, VLLMServerSampler) and sampler.base_url == "http://127.0.0.1:8123"
+    assert (sampler.max_completion_tokens, trainer.native.loss.tis_cap) == (4, 3.0)
+    try:  # the colocated engine needs vllm
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="VLLMSampler needs vLLM: pip install"):
+            GRPOTrainer(str(tiny_folder), _reward_len, _args(tmp_path, max_steps=1, use_vllm=True),
+                        train_dataset=data)

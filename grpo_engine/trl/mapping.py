@@ -21,6 +21,11 @@ here, each with why and the nearest setting.
 - The advantage: ``scale_rewards`` -> ``GroupNormalized(std_scope=..., eps=1e-4)`` (TRL's 1e-4 on the std).
 - Precision: ``bf16`` -> ``MemoryPlan(compute_dtype="bfloat16")`` over float32 weights (TRL's default
   load); where TRL would refuse (no bf16 GPU and ``use_cpu=False``) the run computes in float32, with a note.
+- vLLM (``use_vllm``): ``vllm_mode="colocate"`` -> :class:`~grpo_engine.sampling.vllm.VLLMSampler`
+  (``vllm_gpu_memory_utilization``, ``vllm_enable_sleep_mode``, ``vllm_model_impl``), ``"server"`` ->
+  :class:`~grpo_engine.sampling.vllm_server.VLLMServerSampler` at ``vllm_server_base_url`` (or host and
+  port); ``vllm_importance_sampling_*`` -> ``ClippedSurrogate(tis_cap=..., tis_mode=...)``;
+  ``vllm_max_model_length`` is the context the prompt limit is taken from.
 - Prompts are never cut, as in TRL: ``max_prompt_tokens`` is the model's context less
   ``max_completion_length`` and a longer prompt stops the build, and sampling uses the dynamic decoding loop
   (a static cache would be sized for the whole context).
@@ -73,6 +78,16 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class VLLMPlan:
+    """TRL's ``use_vllm``: ``mode`` ``"colocate"`` (:class:`~grpo_engine.sampling.vllm.VLLMSampler`) or
+    ``"server"`` (:class:`~grpo_engine.sampling.vllm_server.VLLMServerSampler`), and that sampler's own
+    keyword arguments (the shared ones, token limits and sampling, come from the native config)."""
+
+    mode: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class NativeRun:
     """What a TRL config means here: the native records and components, and the notes to log."""
 
@@ -84,6 +99,7 @@ class NativeRun:
     eval_every_steps: int | None
     reward_weights: list[float] | None
     notes: tuple[str, ...] = ()
+    vllm: VLLMPlan | None = None
 
 
 def changed_fields(args: Any) -> set[str]:
@@ -127,6 +143,9 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
     steps = max(1, math.ceil(trl_steps / mu))
     memory, notes = _memory(args, device_bf16, lora, found)
     loss = _loss(args, found)
+    vllm = _vllm(args, found, notes) if args.use_vllm else None
+    if vllm is not None and args.vllm_max_model_length is not None:
+        context_tokens = args.vllm_max_model_length  # TRL's context for vLLM: prompt and completion
     native = dict(
         prompts_per_step=prompts_per_step, group_size=args.num_generations, updates_per_batch=mu,
         max_completion_tokens=args.max_completion_length or 1, max_steps=steps,
@@ -158,7 +177,25 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
     scale = {"group": "group", "batch": "batch", "none": "none"}[args.scale_rewards]
     return NativeRun(config=NativeConfig(**native), memory=memory, loss=loss,
                      advantage=GroupNormalized(std_scope=scale, eps=1e-4), schedule=schedule,
-                     eval_every_steps=eval_every, reward_weights=args.reward_weights, notes=tuple(notes))
+                     eval_every_steps=eval_every, reward_weights=args.reward_weights, notes=tuple(notes),
+                     vllm=vllm)
+
+
+def _vllm(args: Any, found: list[Problem], notes: list[str]) -> VLLMPlan | None:
+    """TRL's vLLM settings as the native vLLM sampler's."""
+    if args.vllm_mode == "server":
+        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        notes.append(f"vllm_mode='server': the sampler drives the vLLM server at {url}, started with "
+                     "grpo_engine.sampling.vllm_server.server_command() (docs/vllm.md), not `trl vllm-serve`")
+        return VLLMPlan("server", {"base_url": url})
+    if args.vllm_mode != "colocate":
+        found.append(problem("vllm_mode", args.vllm_mode, "not one of TRL's 'colocate', 'server'",
+                             "vllm_mode='colocate'"))
+        return None
+    engine = {"model_impl": args.vllm_model_impl} if args.vllm_model_impl != "vllm" else {}
+    return VLLMPlan("colocate", {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+                                 "sleep_between_steps": bool(args.vllm_enable_sleep_mode),
+                                 "engine_kwargs": engine})
 
 
 def _batch_problems(args: Any, given: set[str]) -> list[Problem]:
@@ -288,6 +325,7 @@ def _loss(args: Any, found: list[Problem]) -> Any:
     kind, level, beta = args.loss_type, args.importance_sampling_level, args.beta
     low, high = args.epsilon, args.epsilon_high
     weighted_kl = bool(beta) and bool(args.use_bias_correction_kl)
+    tis = _importance_sampling(args, found)
     if weighted_kl and (level == "sequence" or kind == "cispo"):
         found.append(problem("beta", beta, "with use_bias_correction_kl=True (TRL's default) TRL multiplies "
                              "each token's KL by the importance ratio, which GSPO and CISPO here do not",
@@ -298,7 +336,7 @@ def _loss(args: Any, found: list[Problem]) -> Any:
                                  f"loss_type={kind!r} weights each sequence by its length in TRL; GSPO here "
                                  "is the per-sequence mean",
                                  "loss_type='grpo' with importance_sampling_level='sequence' (GSPO)"))
-        found += _unsupported_terms(args, "GSPO")
+        found += _unsupported_terms(args, "GSPO", tis)
         return GSPO(clip_eps_low=low, clip_eps_high=high, kl_coef=beta)
     if level != "token":
         found.append(problem("importance_sampling_level", level, "not 'token' or 'sequence'", "'token'"))
@@ -308,7 +346,7 @@ def _loss(args: Any, found: list[Problem]) -> Any:
                                  "in TRL, and CISPO here at 1 + clip_eps_high, so a cap below 1 has no "
                                  "equivalent", "epsilon_high=5.0 (ScaleRL's)"))
             return None
-        found += _unsupported_terms(args, "CISPO")
+        found += _unsupported_terms(args, "CISPO", tis)
         return CISPO(clip_eps_high=high - 1, kl_coef=beta)
     one_batch = args.steps_per_generation == 1 and args.world_size == 1
     aggregation = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}.get(kind)
@@ -323,13 +361,25 @@ def _loss(args: Any, found: list[Problem]) -> Any:
                             max_completion_tokens=args.max_completion_length if kind == "dr_grpo" else None,
                             delta=args.delta, mask_truncated=bool(args.mask_truncated_completions),
                             top_entropy_quantile=(args.top_entropy_quantile if args.top_entropy_quantile < 1
-                                                  else None))
+                                                  else None), **tis)
 
 
-def _unsupported_terms(args: Any, loss: str) -> list[Problem]:
+def _importance_sampling(args: Any, found: list[Problem]) -> dict[str, Any]:
+    """TRL's correction of vLLM's log-probs: ``ClippedSurrogate(tis_cap=..., tis_mode=...)``."""
+    if not (args.use_vllm and args.vllm_importance_sampling_correction):
+        return {}
+    if args.vllm_importance_sampling_clip_max is None:
+        found.append(problem("vllm_importance_sampling_clip_max", None, "the correction here always has an "
+                             "upper bound", "vllm_importance_sampling_clip_max=3.0 (TRL's default)"))
+        return {}
+    return {"tis_cap": args.vllm_importance_sampling_clip_max, "tis_mode": args.vllm_importance_sampling_mode}
+
+
+def _unsupported_terms(args: Any, loss: str, tis: dict[str, Any]) -> list[Problem]:
     """The ClippedSurrogate terms a GSPO / CISPO loss does not take."""
     terms = {"mask_truncated_completions": args.mask_truncated_completions,
-             "top_entropy_quantile": args.top_entropy_quantile < 1, "delta": args.delta is not None}
+             "top_entropy_quantile": args.top_entropy_quantile < 1, "delta": args.delta is not None,
+             "vllm_importance_sampling_correction": bool(tis)}
     return [problem(name, getattr(args, name), f"{loss} here has no such term", "loss_type='dapo' or 'grpo'")
             for name, used in terms.items() if used]
 

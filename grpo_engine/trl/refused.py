@@ -64,10 +64,19 @@ MAPPED: dict[str, str] = {
     "mask_truncated_completions": "ClippedSurrogate.mask_truncated",
     "top_entropy_quantile": "ClippedSurrogate.top_entropy_quantile",
     "reward_weights": "each reward's weight (FunctionReward)",
-    "vllm_importance_sampling_correction": "none without use_vllm",
-    "vllm_importance_sampling_mode": "none without use_vllm",
-    "vllm_importance_sampling_clip_max": "none without use_vllm",
-    "vllm_importance_sampling_cap": "none without use_vllm",
+    "use_vllm": "a vLLM sampler: VLLMSampler ('colocate') or VLLMServerSampler ('server')",
+    "vllm_mode": "VLLMSampler ('colocate') or VLLMServerSampler ('server')",
+    "vllm_model_impl": "VLLMSampler(engine_kwargs={'model_impl': ...})",
+    "vllm_enable_sleep_mode": "VLLMSampler(sleep_between_steps=...)",
+    "vllm_gpu_memory_utilization": "VLLMSampler(gpu_memory_utilization=...)",
+    "vllm_server_base_url": "VLLMServerSampler(base_url=...)",
+    "vllm_server_host": "VLLMServerSampler(base_url='http://host:port')",
+    "vllm_server_port": "VLLMServerSampler(base_url='http://host:port')",
+    "vllm_max_model_length": "max_prompt_tokens + max_completion_tokens under use_vllm",
+    "vllm_importance_sampling_correction": "ClippedSurrogate(tis_cap=..., tis_mode=...) under use_vllm",
+    "vllm_importance_sampling_mode": "ClippedSurrogate(tis_mode=...) under use_vllm",
+    "vllm_importance_sampling_clip_max": "ClippedSurrogate(tis_cap=...) under use_vllm",
+    "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max (deprecated by TRL)",
     "remove_unused_columns": "every column reaches the reward functions (TRL's default)",
     "push_to_hub": "GRPOTrainer.push_to_hub at the end of train() and in save_model (grpo_engine.trl.hub)",
     "hub_model_id": "the repository push_to_hub uploads to (default: the output_dir folder's name)",
@@ -78,8 +87,6 @@ MAPPED: dict[str, str] = {
 }
 
 _53 = "pending work (issue 53: more loss families)"
-_VLLM = ("vLLM sampling is built on the native API, where the sampler gets the prepared policy",
-         "GRPOTrainer(..., sampler=VLLMSampler(...) / VLLMServerSampler(...)) (docs/vllm.md)")
 _NO_EVAL = ("evaluation here is HeldOutEval's greedy pass@1 every eval_steps steps",
             "eval_strategy='steps', eval_steps=N, or trainer.evaluate(prompts) on the native trainer")
 _SPEED = "the native trainer builds its own data pipeline and process group"
@@ -114,11 +121,15 @@ REFUSED: dict[str, tuple[str, str]] = {
     "transformers_continuous_batching_config": ("sampling uses grpo_engine's decoding loops",
                                                 "leave it unset"),
     "use_transformers_paged": ("sampling uses grpo_engine's decoding loops", "leave it False"),
-    "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_enable_sleep_mode": _VLLM,
-    "vllm_structured_outputs_regex": _VLLM, "vllm_server_base_url": _VLLM, "vllm_server_host": _VLLM,
-    "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,
-    "vllm_gpu_memory_utilization": _VLLM, "vllm_max_model_length": _VLLM, "vllm_tensor_parallel_size": _VLLM,
-    "vllm_importance_sampling_clip_min": _VLLM,
+    "vllm_structured_outputs_regex": ("the vLLM sampler has no structured outputs", "a format reward"),
+    "vllm_server_timeout": ("the server sampler waits per request (VLLMServerSampler(timeout_s=600)), not "
+                            "for the server to come up", "start the server before the run"),
+    "vllm_group_port": ("weights reach the server through saved adapters or weights, not NCCL",
+                        "leave it 51216"),
+    "vllm_tensor_parallel_size": ("the colocated engine runs on one GPU",
+                                  "vllm_mode='server' with a server started on several GPUs"),
+    "vllm_importance_sampling_clip_min": ("the correction caps the ratio from above only",
+                                          "vllm_importance_sampling_clip_max"),
     # -- the loss ---------------------------------------------------------------------------------
     "sapo_temperature_neg": (f"SAPO is {_53}", "loss_type='dapo'"),
     "sapo_temperature_pos": (f"SAPO is {_53}", "loss_type='dapo'"),

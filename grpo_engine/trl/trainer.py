@@ -32,7 +32,10 @@ from torch import nn
 
 from grpo_engine.callbacks import Callback, HeldOutEval, TrainerState
 from grpo_engine.data.records import to_prompts
+from grpo_engine.models import load_model
 from grpo_engine.rewards.function import FunctionReward
+from grpo_engine.sampling.vllm import VLLMSampler
+from grpo_engine.sampling.vllm_server import VLLMServerSampler
 from grpo_engine.trainer import GRPOTrainer as NativeTrainer
 from grpo_engine.trl.config import GRPOConfig
 from grpo_engine.trl.hub import model_card, push_folder
@@ -167,12 +170,31 @@ def save_pretrained(native: NativeTrainer, folder: Path) -> Path:
 def build_native(run: NativeRun, build: dict[str, Any], *, resume_from: Any) -> NativeTrainer:
     """The native trainer of ``run`` and ``build`` (the model and the trainer's other arguments), with TRL's
     learning-rate schedule (continued at a resumed step)."""
-    native = NativeTrainer(build["model"], build["rewards"], build["prompts"], run.config, run.memory,
-                           tokenizer=build["tokenizer"], advantage=run.advantage, loss=run.loss,
+    model, tokenizer, sampler = build["model"], build["tokenizer"], None
+    if run.vllm is not None:
+        model, tokenizer, sampler = vllm_sampler(run, model, tokenizer)
+    native = NativeTrainer(model, build["rewards"], build["prompts"], run.config, run.memory,
+                           tokenizer=tokenizer, sampler=sampler, advantage=run.advantage, loss=run.loss,
                            callbacks=build["callbacks"], resume_from=resume_from, tools=build["tools"],
                            environment_factory=build["environment_factory"])
     native.scheduler = trl_scheduler(native.optimizer, run.schedule, start=native.state.step)
     return native
+
+
+def vllm_sampler(run: NativeRun, model: Any, tokenizer: Any) -> tuple[nn.Module, Any, Any]:
+    """TRL's ``use_vllm``: the policy loaded here (the trainer then adds LoRA to it in place), its tokenizer,
+    and the vLLM sampler on them (docs/vllm.md); vLLM loads the base weights from ``model``'s folder."""
+    name = model if isinstance(model, (str, Path)) else getattr(model.config, "_name_or_path", "")
+    if isinstance(model, (str, Path)):
+        model, loaded = load_model(model, plan=run.memory)
+        tokenizer = tokenizer if tokenizer is not None else loaded
+    cfg = run.config
+    shared = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_completion_tokens=cfg.max_completion_tokens,
+                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    if run.vllm.mode == "server":
+        return model, tokenizer, VLLMServerSampler(model, tokenizer, **run.vllm.settings, **shared)
+    return model, tokenizer, VLLMSampler(model, tokenizer, engine_model=str(name), **run.vllm.settings,
+                                         **shared)
 
 
 def trl_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule, *, start: int = 0) -> Any:
