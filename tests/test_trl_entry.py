@@ -425,3 +425,33 @@ def test_a_vllm_run_builds_the_server_sampler_or_says_what_is_missing(tiny_folde
         with pytest.raises(ImportError, match="VLLMSampler needs vLLM: pip install"):
             GRPOTrainer(str(tiny_folder), _reward_len, _args(tmp_path, max_steps=1, use_vllm=True),
                         train_dataset=data)
+
+
+@pytest.mark.parametrize("as_object", [False, True])
+def test_peft_config_trains_an_adapter_and_resumes(as_object, tiny_folder, tmp_path):
+    """A LoraConfig becomes the plan's LoRA; a resumed run (from the name, or from a model object whose
+    adapters are taken out and put back) continues the saved one exactly."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"]})
+    args = _args(tmp_path, max_steps=2, save_steps=1, learning_rate=1e-2)
+
+    def trainer():
+        model = AutoModelForCausalLM.from_pretrained(tiny_folder) if as_object else str(tiny_folder)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_folder) if as_object else None
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        return GRPOTrainer(model, _reward_len, args, train_dataset=data, processing_class=tokenizer,
+                           peft_config=lora)
+
+    first = trainer()
+    assert type(first.model).__name__.startswith("Peft") and first.native.memory.lora.r == 4
+    whole = first.train()
+    assert (tmp_path / "run" / "checkpoint-1" / "adapter_config.json").is_file()
+    resumed = trainer()
+    out = resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    assert out.global_step == 2 and out.metrics["loss"] == pytest.approx(whole.metrics["loss"], abs=1e-6)
+    saved = dict(first.model.named_parameters())
+    for name, value in resumed.model.named_parameters():
+        if "lora_" in name:
+            assert torch.allclose(value, saved[name], atol=1e-6), name
