@@ -20,11 +20,12 @@ from grpo_engine.callbacks import Callback
 from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.terms import RatioWeightedKL
 from grpo_engine.trl import GRPOConfig, GRPOTrainer, TRLSettingError
-from grpo_engine.trl.fields import TRL_FIELDS, TRL_VERSION
+from grpo_engine.trl.fields import TRL_FIELDS, TRL_TYPES, TRL_VERSION
 from grpo_engine.trl.mapping import Schedule, VLLMPlan, native_run
 from grpo_engine.trl.refused import MAPPED, REFUSED
 from grpo_engine.trl.trainer import trl_scheduler
 from grpo_engine.types import MicroBatch
+from tests.trl_types import type_text
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning",
@@ -55,6 +56,30 @@ def test_the_field_table_is_trls():
         theirs[f.name] = _plain(default)
     assert len(theirs) == 191 and list(TRL_FIELDS) == list(theirs)
     assert TRL_FIELDS == theirs
+
+
+def test_the_field_types_are_trls_over_builtins():
+    trl = _trl()
+    assert TRL_TYPES == {f.name: type_text(f.type) for f in dataclasses.fields(trl.GRPOConfig)}
+
+
+def test_a_command_line_parses_as_trls_does():
+    """TRL's scripts parse GRPOConfig from the command line (HfArgumentParser, TRL's TrlParser)."""
+    from transformers import HfArgumentParser
+
+    argv = ["--output_dir", "o", "--num_generations", "4", "--learning_rate", "3e-6", "--bf16", "false",
+            "--report_to", "none", "--lr_scheduler_type", "cosine", "--max_completion_length", "128",
+            "--gradient_checkpointing", "false", "--reward_weights", "1.0", "0.5", "--use_vllm", "true",
+            "--logging_steps", "5", "--eval_strategy", "steps", "--eval_steps", "0.5"]
+    (ours,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(argv)
+    trl = _trl()
+    (theirs,) = trl.TrlParser(trl.GRPOConfig).parse_args_and_config(argv + ["--use_cpu", "true"])
+    for name in ("num_generations", "learning_rate", "bf16", "report_to", "max_completion_length",
+                 "gradient_checkpointing", "reward_weights", "use_vllm", "logging_steps", "eval_steps"):
+        assert getattr(ours, name) == _plain(getattr(theirs, name)), name
+    assert (ours.lr_scheduler_type, ours.eval_strategy) == ("cosine", "steps")
+    (via_trl,) = trl.TrlParser(GRPOConfig).parse_args_and_config(argv)
+    assert via_trl == ours
 
 
 def test_every_field_is_mapped_or_refused():

@@ -26,7 +26,7 @@ import logging
 import os
 from typing import Any
 
-from grpo_engine.trl.fields import TRL_FIELDS
+from grpo_engine.trl.fields import TRL_FIELDS, TRL_TYPES
 
 __all__ = ["GRPOConfig"]
 
@@ -37,7 +37,8 @@ def _field(default: Any) -> Any:
     return dataclasses.field(default=default)
 
 
-_Fields = dataclasses.make_dataclass("_Fields", [(name, Any, _field(d)) for name, d in TRL_FIELDS.items()])
+_Fields = dataclasses.make_dataclass(  # typed as TRL's, over builtins: HfArgumentParser parses them
+    "_Fields", [(name, eval(TRL_TYPES[name], {"Any": Any}), _field(d)) for name, d in TRL_FIELDS.items()])
 
 
 class GRPOConfig(_Fields):
