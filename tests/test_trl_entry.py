@@ -480,3 +480,25 @@ def test_peft_config_trains_an_adapter_and_resumes(as_object, tiny_folder, tmp_p
     for name, value in resumed.model.named_parameters():
         if "lora_" in name:
             assert torch.allclose(value, saved[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("kwargs, prompts", [
+    ({"num_generations": 4, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+      "num_iterations": 2, "num_train_epochs": 1.5}, 10),
+    ({"num_generations": 8}, 7),
+    ({"num_generations": 2, "per_device_train_batch_size": 6, "num_train_epochs": 2.3}, 11),
+    ({"num_generations": 4, "per_device_train_batch_size": 4, "num_iterations": 3, "num_train_epochs": 1},
+     9)])
+def test_epochs_count_the_steps_trls_trainer_counts(kwargs, prompts, tiny_folder, tmp_path):
+    """max_steps=-1: TRL's trainer's own dataloader and transformers' rule give its optimizer steps; the
+    native run takes ceil(those / num_iterations) generation batches."""
+    trl = _trl()
+    data = Dataset.from_dict({"prompt": [f"p{i}" for i in range(prompts)]})
+    args = trl.GRPOConfig(str(tmp_path / "trl"), use_cpu=True, report_to="none", max_completion_length=4,
+                          **kwargs)
+    batches = len(trl.GRPOTrainer(model=str(tiny_folder), reward_funcs=_reward_len, args=args,
+                                  train_dataset=data).get_train_dataloader())
+    accumulation = args.gradient_accumulation_steps
+    trl_steps = math.ceil(args.num_train_epochs * max(1, math.ceil(batches / accumulation)))
+    ours = run(num_prompts=prompts, output_dir=str(tmp_path / "ours"), max_completion_length=4, **kwargs)
+    assert ours.config.max_steps == math.ceil(trl_steps / args.num_iterations)
