@@ -230,6 +230,19 @@ def test_the_loss_is_trls_compute_loss(kwargs):
     assert torch.allclose(grad, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_the_advantage_is_trls(scale):
+    """TRL 1.16: (r - the group's mean) / (the std, unbiased, of the group or of the batch + 1e-4)."""
+    torch.manual_seed(0)
+    rewards = torch.randn(3, 4, dtype=torch.float64)
+    rewards[1] = 0.5  # a tied group: 0 in both
+    ours = run(scale_rewards=scale).advantage(rewards)
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    std = {"group": rewards.std(dim=1, keepdim=True), "batch": rewards.std(), "none": None}[scale]
+    theirs = centered if std is None else centered / (std + 1e-4)
+    assert torch.allclose(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
 def test_precision_follows_trl():
     assert run(device_bf16=True).memory.compute_dtype == "bfloat16"
     assert run(use_cpu=True).memory.compute_dtype == "bfloat16" and not run(use_cpu=True).notes
@@ -278,6 +291,7 @@ def test_each_refused_field_names_itself_why_and_the_nearest(name):
     ({"report_to": "mlflow"}, "report_to", "tensorboard"),
     ({"max_completion_length": None}, "max_completion_length", "512"),
     ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model_init_kwargs", "'dtype'"),
+    ({"loss_type": "grpo", "mask_truncated_completions": True}, "mask_truncated_completions", "'dapo'"),
 ])
 def test_settings_without_an_equivalent_are_refused_by_name(kwargs, field, words):
     with pytest.raises(TRLSettingError) as caught:

@@ -356,6 +356,11 @@ def _loss(args: Any, found: list[Problem]) -> Any:
         found.append(problem("loss_type", kind, _LOSS_WHY.get(kind, "not a TRL loss_type"),
                              "loss_type='dapo' (TRL's default: the token mean over the step)"))
         return None
+    if args.mask_truncated_completions and aggregation in ("sequence", "constant"):
+        found.append(problem("mask_truncated_completions", True, f"with loss_type={kind!r} TRL still counts "
+                             "a masked completion in the rows it divides by; here a masked completion leaves "
+                             "the step's counts", "loss_type='dapo' (the same in both: masked tokens leave "
+                             "the token count)"))
     return ClippedSurrogate(clip_eps_low=low, clip_eps_high=high, kl_coef=0.0 if weighted_kl else beta,
                             terms=(RatioWeightedKL(beta),) if weighted_kl else (), aggregation=aggregation,
                             max_completion_tokens=args.max_completion_length if kind == "dr_grpo" else None,
