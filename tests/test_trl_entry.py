@@ -377,6 +377,11 @@ def test_eval_dataset_is_evaluated_every_eval_steps_and_save_model_writes_the_po
     assert ["eval/pass@1" in line for line in lines] == [False, True] and "kl" in lines[0]
     folder = trainer.save_model(str(tmp_path / "saved"))
     assert (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
+    assert trainer.evaluate() == {"eval/pass@1": lines[1]["eval/pass@1"]}  # greedy, unchanged policy
+    trainer.save_metrics("train", {"train_loss": 0.5})
+    saved = json.loads(trainer.save_state().read_text())
+    assert json.loads((tmp_path / "run" / "all_results.json").read_text()) == {"train_loss": 0.5}
+    assert saved["global_step"] == 2 and len(saved["log_history"]) == 2
 
 
 def test_the_schedule_is_transformers_and_a_resumed_one_starts_where_it_was():

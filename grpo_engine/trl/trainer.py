@@ -12,13 +12,15 @@ refusals, in one :class:`~grpo_engine.trl.mapping.TRLSettingError`.
 The learning rate follows TRL's schedule (``transformers.get_scheduler`` with TRL's warm-up rule) in place
 of the native one. ``train(resume_from_checkpoint=True | path)`` rebuilds the native trainer with
 ``resume_from`` (the native exact resume); ``save_model`` writes the policy (the adapter under LoRA) and the
-tokenizer with ``save_pretrained``, as TRL's does; ``push_to_hub`` (and ``args.push_to_hub``) writes the hub
+tokenizer with ``save_pretrained``, as TRL's does (``evaluate``, ``log_metrics``, ``save_metrics`` and
+``save_state`` too); ``push_to_hub`` (and ``args.push_to_hub``) writes the hub
 layout to ``output_dir`` and uploads it (:mod:`grpo_engine.trl.hub`). ``native`` is the native trainer, for
 everything else.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -93,6 +95,7 @@ class GRPOTrainer:
                           prompts=train_dataset, tokenizer=processing_class,
                           callbacks=[*(callbacks or []), *held_out],
                           tools=tuple(tools or ()), environment_factory=environment_factory)
+        self.eval_dataset = eval_dataset
         self.native = build_native(self.run, self.build, resume_from=None)
 
     @property
@@ -136,6 +139,44 @@ class GRPOTrainer:
         if self.args.push_to_hub:
             self.push_to_hub(commit_message="Model save")
         return folder
+
+    def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
+        """Greedy pass@1 of the policy on ``eval_dataset`` (default: the trainer's), scored by the first
+        reward (``HeldOutEval``'s measure, not TRL's sampled eval loss): ``{"eval/pass@1": ...}``."""
+        data = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if data is None:
+            raise ValueError("evaluate() needs an eval_dataset: pass GRPOTrainer(..., eval_dataset=...) or "
+                             "trainer.evaluate(eval_dataset)")
+        return self.native.evaluate(to_prompts(data, name="eval_dataset"))
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Logs ``metrics`` of ``split`` (``"train"``, ``"eval"``), one per line, as TRL's Trainer does."""
+        if self.native.world.is_main:
+            for name, value in sorted(metrics.items()):
+                logger.info("%s %s = %s", split, name, value)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> Path:
+        """Writes ``metrics`` to ``output_dir/{split}_results.json`` (and ``all_results.json``)."""
+        folder = Path(self.args.output_dir)
+        if self.native.world.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{split}_results.json").write_text(json.dumps(metrics, indent=2, default=float))
+            if combined:
+                whole = folder / "all_results.json"
+                every = json.loads(whole.read_text()) if whole.is_file() else {}
+                whole.write_text(json.dumps({**every, **metrics}, indent=2, default=float))
+        return folder / f"{split}_results.json"
+
+    def save_state(self) -> Path:
+        """Writes the run's counters to ``output_dir/trainer_state.json`` (a checkpoint keeps the whole
+        state for a resume)."""
+        path = Path(self.args.output_dir) / "trainer_state.json"
+        if self.native.world.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            state = {**self.native.state.state_dict(), "global_step": self.native.state.step,
+                     "max_steps": self.native.state.max_steps, "log_history": self.native.history}
+            path.write_text(json.dumps(state, indent=2, default=float))
+        return path
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, **kwargs: Any) -> Any:
