@@ -10,6 +10,7 @@ the values TRL's ``__post_init__`` derives resolved the same way:
   ``generation_batch_size`` to ``per_device_train_batch_size x WORLD_SIZE x steps_per_generation``; each
   derived from the other when one is given; it must hold whole groups of ``num_generations``;
 - ``pad_to_multiple_of="auto"`` -> None (off the Neuron devices); ``debug`` -> a list;
+  ``include_num_input_tokens_seen`` True / False -> ``"all"`` / ``"no"``;
 - ``scale_rewards`` True / False -> ``"group"`` / ``"none"``; ``epsilon_high=None`` -> ``epsilon``;
   ``vllm_importance_sampling_cap`` (deprecated) -> ``vllm_importance_sampling_clip_max``.
 
@@ -78,8 +79,10 @@ class GRPOConfig(_Fields):
             self.report_to = [self.report_to]
         if self.pad_to_multiple_of == "auto":
             self.pad_to_multiple_of = None  # TRL: 128 on Neuron only
-        if isinstance(self.debug, str):
-            self.debug = self.debug.split()
+        if isinstance(self.debug, str) or self.debug is None:
+            self.debug = (self.debug or "").split()
+        if isinstance(self.include_num_input_tokens_seen, bool):
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
         if str(self.eval_strategy) == "steps" and not self.eval_steps:
             self.eval_steps = self.logging_steps
         if str(self.eval_strategy) != "no":

@@ -117,6 +117,8 @@ _SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant",
 _EXACT_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
                     "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
 _DTYPES = ("float32", "bfloat16", "float16")
+_NO_OP_LOADING = {"revision": (None, "main"), "trust_remote_code": (False, None),
+                  "attn_implementation": (None,)}
 
 
 def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None, device_bf16: bool,
@@ -307,9 +309,14 @@ def _memory(args: Any, device_bf16: bool, lora: Any, found: list[Problem]) -> tu
 
 
 def _model_dtype(args: Any, found: list[Problem]) -> str:
-    """``model_init_kwargs={"dtype": ...}`` (TRL loads float32 by default); other keys are refused."""
+    """``model_init_kwargs={"dtype": ...}`` (TRL loads float32 by default); the keys TRL's own script sets
+    at their no-op values (``revision="main"``, ``trust_remote_code=False``, ``attn_implementation=None``)
+    pass; other keys are refused."""
     kwargs = dict(args.model_init_kwargs or {})
-    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", "float32"))
+    for key, no_op in _NO_OP_LOADING.items():
+        if key in kwargs and kwargs[key] in no_op:
+            del kwargs[key]
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None)) or "float32"
     dtype = str(dtype).removeprefix("torch.")
     if kwargs or dtype not in _DTYPES:
         found.append(problem("model_init_kwargs", args.model_init_kwargs, "only the weights' dtype "

@@ -56,6 +56,37 @@ class TrainOutput(NamedTuple):
     metrics: dict[str, float]
 
 
+class Processes:
+    """``trainer.accelerator`` for TRL's scripts: ``is_main_process``, ``process_index``,
+    ``num_processes``, ``device``, ``print`` (rank 0) and ``wait_for_everyone``."""
+
+    def __init__(self, world: Any) -> None:
+        self.world = world
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.world.is_main
+
+    @property
+    def process_index(self) -> int:
+        return self.world.rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.world.size
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.world.is_main:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        self.world.barrier()
+
+
 class GRPOTrainer:
     """TRL's ``GRPOTrainer``, run by the native trainer (module docstring).
 
@@ -107,6 +138,20 @@ class GRPOTrainer:
     def processing_class(self) -> Any:
         """The tokenizer."""
         return self.native.tokenizer
+
+    @property
+    def accelerator(self) -> Processes:
+        """What TRL's scripts ask of ``trainer.accelerator``: this process's place, and ``print``."""
+        return Processes(self.native.world)
+
+    @property
+    def hub_model_id(self) -> str:
+        """The repository ``push_to_hub`` uploads to."""
+        return self.args.hub_model_id or Path(self.args.output_dir).resolve().name
+
+    def end(self) -> None:
+        """TRL's end of a run (trackers finished, process group destroyed): here ``train()`` already ended
+        its logging backends, and the process group ends with the process."""
 
     @property
     def state(self) -> TrainerState:
@@ -193,7 +238,7 @@ class GRPOTrainer:
         base = self.build["model"]
         base = str(base) if isinstance(base, (str, Path)) else getattr(base.config, "_name_or_path", "model")
         (folder / "README.md").write_text(model_card(base, kwargs.get("dataset_name")))
-        return push_folder(folder, repo_id=self.args.hub_model_id or folder.resolve().name,
+        return push_folder(folder, repo_id=self.hub_model_id,
                            token=token or self.args.hub_token, private=self.args.hub_private_repo,
                            revision=revision or self.args.hub_revision,
                            commit_message=commit_message or "End of training")
