@@ -9,6 +9,7 @@ The public surface::
 """
 
 import grpo_engine._quiet  # noqa: F401  (known third-party log noise, filtered where it arises)
+import grpo_engine.trl.refused  # noqa: F401  (TRL's field names, in GRPOConfig's unknown-field errors)
 from grpo_engine.advantages import RLOO, GroupNormalized, MeanBaseline, ReinforcePlusPlusBaseline
 from grpo_engine.callbacks import Callback, HeldOutEval, TrainerControl, TrainerState
 from grpo_engine.config import ConfigError, GRPOConfig

@@ -121,6 +121,8 @@ def format_validation_error(exc: ValidationError, model: type[FrozenModel],
             match = difflib.get_close_matches(field, known, n=1)
             if owner is not None and field in owner.renamed:
                 message = f"unknown field; {owner.renamed[field]}"
+            elif owner is not None and _hint(owner, field):
+                message = f"unknown field; {_hint(owner, field)}"
             elif match:
                 message = f"unknown field; did you mean '{match[0]}'?"
             else:
@@ -129,6 +131,15 @@ def format_validation_error(exc: ValidationError, model: type[FrozenModel],
             message = f"{message} (got {str(err['input'])[:60]!r})"
         lines.append(f"  - {loc}: {message}")
     return f"{len(lines)} problem(s) in {title}:\n" + "\n".join(lines)
+
+
+# Where another library's setting lives here, for an unknown field of a record: hints registered by the
+# modules that know that library (grpo_engine.trl.refused, imported by the package: TRL's 191 fields).
+UNKNOWN_FIELD_HINTS: list[Callable[[type[FrozenModel], str], str | None]] = []
+
+
+def _hint(owner: type[FrozenModel], field: str) -> str | None:
+    return next((h for h in (hint(owner, field) for hint in UNKNOWN_FIELD_HINTS) if h), None)
 
 
 def _owner(model: type[FrozenModel], path: tuple[Any, ...]) -> type[FrozenModel] | None:

@@ -53,6 +53,27 @@ def test_python_errors_name_the_field_the_rule_and_trl_names_without_links():
     assert isinstance(info.value, ValueError) and len(info.value.errors()) == 5
 
 
+def test_every_trl_field_given_to_the_native_config_says_where_it_lives_or_why_not():
+    """Each of TRL 1.16's 191 GRPOConfig fields that is not also ours: one line naming the field and where it
+    lives here (or why it has none and the nearest setting), never a dump of our fields or a look-alike."""
+    from grpo_engine.trl.refused import MAPPED, REFUSED
+
+    ours = set(GRPOConfig.model_fields)
+    for field in sorted((set(MAPPED) | set(REFUSED)) - ours):
+        with pytest.raises(ConfigError) as info:
+            GRPOConfig(**{field: object()})
+        line = str(info.value).splitlines()[1]
+        assert line.startswith(f"  - {field}: unknown field; ") and "known fields" not in line, line
+        if field in GRPOConfig.renamed:  # ours, written for the native API
+            assert line.endswith(GRPOConfig.renamed[field]), line
+        elif field in REFUSED:
+            assert f"TRL's {field} has no equivalent here" in line, line
+            assert line.endswith(f"nearest: {REFUSED[field][1]}"), line
+        else:
+            assert f"TRL's {field} is {MAPPED[field]} here" in line, line
+    assert "TRL's use_vllm is " in str(pytest.raises(ConfigError, GRPOConfig, use_vllm=True).value)
+
+
 def test_yaml_round_trip_and_frozen(tmp_path):
     cfg = GRPOConfig(prompts_per_step=3, group_size=5, adam_betas=(0.9, 0.95), max_grad_norm=None)
     path = tmp_path / "c.yaml"

@@ -6,7 +6,9 @@ this run does not do; set to anything else it is refused by name (:mod:`grpo_eng
 
 from __future__ import annotations
 
-__all__ = ["MAPPED", "REFUSED"]
+from grpo_engine.config import UNKNOWN_FIELD_HINTS
+
+__all__ = ["MAPPED", "REFUSED", "native_hint"]
 
 _CFG, _MEM = "GRPOConfig", "MemoryPlan"
 MAPPED: dict[str, str] = {
@@ -228,3 +230,20 @@ REFUSED: dict[str, tuple[str, str]] = {
     "train_sampling_strategy": ("prompts are drawn in a seeded shuffled order", "leave it 'random'"),
     "length_column_name": ("prompts are not grouped by length", "leave it 'length'"),
 }
+
+
+def native_hint(owner: type, field: str) -> str | None:
+    """The unknown-field message of the native ``GRPOConfig`` for one of TRL's fields: where it lives here,
+    or why it has none and the nearest setting (None: not TRL's, or not the GRPOConfig)."""
+    if owner.__name__ != "GRPOConfig":
+        return None
+    entry = "; or take TRL's fields as they are: from grpo_engine.trl import GRPOConfig, GRPOTrainer"
+    if field in MAPPED:
+        return f"TRL's {field} is {MAPPED[field]} here{entry}"
+    if field in REFUSED:
+        why, nearest = REFUSED[field]
+        return f"TRL's {field} has no equivalent here ({why}); nearest: {nearest}"
+    return None
+
+
+UNKNOWN_FIELD_HINTS.append(native_hint)
