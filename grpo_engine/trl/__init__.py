@@ -12,7 +12,7 @@ every default that differs between this entry and the native API.
 """
 
 from grpo_engine.trl.config import GRPOConfig
-from grpo_engine.trl.mapping import TRLSettingError
+from grpo_engine.trl.errors import TRLSettingError
 from grpo_engine.trl.trainer import GRPOTrainer
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "TRLSettingError"]

@@ -44,28 +44,12 @@ from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.gspo import GSPO
 from grpo_engine.losses.terms import RatioWeightedKL
 from grpo_engine.memory.plan import MemoryPlan
+from grpo_engine.trl.errors import Problem, TRLSettingError, problem
 from grpo_engine.trl.fields import TRL_FIELDS
 from grpo_engine.trl.refused import REFUSED
 
-__all__ = ["TRLSettingError", "NativeRun", "Schedule", "native_run", "changed_fields", "problem"]
-
-Problem = tuple[str, str]  # (the field, the message: value, why, nearest)
-
-
-class TRLSettingError(ValueError):
-    """TRL settings with no equivalent here: one line per field, each with its value, why and the nearest
-    setting. ``problems``: the ``(field, message)`` pairs."""
-
-    def __init__(self, problems: list[Problem]) -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {message}" for _, message in self.problems)
-        super().__init__(f"{len(self.problems)} TRL setting(s) with no equivalent in grpo_engine:\n{lines}")
-
-
-def problem(name: str, value: Any, why: str, nearest: str) -> Problem:
-    """A refused setting: ``name=value: why; nearest: ...``."""
-    return name, f"{name}={value!r}: {why}; nearest: {nearest}"
-
+__all__ = ["TRLSettingError", "NativeRun", "Schedule", "VLLMPlan", "native_run", "changed_fields",
+           "problem"]
 
 @dataclass(frozen=True)
 class Schedule:

@@ -40,8 +40,9 @@ from grpo_engine.sampling.vllm import VLLMSampler
 from grpo_engine.sampling.vllm_server import VLLMServerSampler
 from grpo_engine.trainer import GRPOTrainer as NativeTrainer
 from grpo_engine.trl.config import GRPOConfig
+from grpo_engine.trl.errors import Problem, problem
 from grpo_engine.trl.hub import model_card, push_folder
-from grpo_engine.trl.mapping import NativeRun, Problem, Schedule, native_run, problem
+from grpo_engine.trl.mapping import NativeRun, Schedule, native_run
 
 __all__ = ["GRPOTrainer", "TrainOutput", "trl_scheduler"]
 
