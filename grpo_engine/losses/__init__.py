@@ -3,7 +3,8 @@
 ``ClippedSurrogate`` (GRPO, DAPO, Dr. GRPO, INTELLECT-2's δ) composes the terms of ``terms.py``
 (``MaskTruncated``, ``TruncatedIS``, ``HighEntropyTokens``, ``KLPenalty``, ``EntropyBonus``) and one of
 the three aggregations of ``aggregation.py``; ``GSPO`` clips a sequence-level ratio (arXiv
-2507.18071); ``CISPO`` clips a stop-gradient importance weight (arXiv 2506.13585). The KL
+2507.18071); ``CISPO`` clips a stop-gradient importance weight (arXiv 2506.13585); ``SAPO`` replaces
+the clip by a soft gate (arXiv 2511.20347). The KL
 estimators ``kl_k1`` / ``kl_k2`` / ``kl_k3`` live in :mod:`grpo_engine.ops.kl` (re-exported).
 """
 
@@ -11,9 +12,10 @@ from grpo_engine.losses.aggregation import AGGREGATIONS, aggregate
 from grpo_engine.losses.cispo import CISPO
 from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.gspo import GSPO
+from grpo_engine.losses.sapo import SAPO
 from grpo_engine.losses.terms import EntropyBonus, HighEntropyTokens, KLPenalty, MaskTruncated, TruncatedIS
 from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator, kl_k1, kl_k2, kl_k3
 
-__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "MaskTruncated", "TruncatedIS", "HighEntropyTokens",
+__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "SAPO", "MaskTruncated", "TruncatedIS", "HighEntropyTokens",
            "KLPenalty", "EntropyBonus", "AGGREGATIONS", "aggregate", "KL_ESTIMATORS", "kl_estimator", "kl_k1",
            "kl_k2", "kl_k3"]
