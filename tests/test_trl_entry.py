@@ -160,6 +160,18 @@ def test_num_iterations_divides_trls_step_counts():
     assert run(logging_steps=0.25, max_steps=40).config.log_every_steps == 10
 
 
+def test_bookkeeping_settings_carry_over():
+    c = run(report_to="tensorboard", disable_tqdm=True, save_strategy="no", save_total_limit=2, seed=7,
+            max_tool_calling_iterations=3, temperature=0.7, top_p=0.9, top_k=20, max_grad_norm=0.0,
+            weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, output_dir="o").config
+    assert (c.report_to, c.progress_bar, c.save_every_steps, c.keep_last_checkpoints, c.seed) == (
+        ["tensorboard"], False, None, 2, 7)
+    assert (c.max_turns, c.temperature, c.top_p, c.top_k, c.max_grad_norm) == (4, 0.7, 0.9, 20, None)
+    assert (c.weight_decay, c.adam_betas, c.adam_eps, c.output_dir) == (0.1, (0.8, 0.95), 1e-6, "o")
+    assert run(max_completion_length=64).config.max_turns == 64  # TRL: no limit but the completion's
+    assert run(torch_compile=True, gradient_checkpointing=False).memory.compile_training
+
+
 @pytest.mark.parametrize("kwargs, expected", [
     ({"loss_type": "grpo"}, ("ClippedSurrogate", "sequence", 0.2, 0.2)),
     ({"loss_type": "dr_grpo", "max_completion_length": 32}, ("ClippedSurrogate", "constant", 0.2, 0.2)),
