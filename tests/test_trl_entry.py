@@ -160,6 +160,27 @@ def test_num_iterations_divides_trls_step_counts():
     assert run(logging_steps=0.25, max_steps=40).config.log_every_steps == 10
 
 
+def test_a_4_bit_nf4_base_under_peft_is_qlora():
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                             bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)
+    r = native_run(GRPOConfig(bf16=False), num_prompts=8, context_tokens=64, device_bf16=True, lora=lora,
+                   quantization=nf4)
+    assert (r.memory.quantization, r.memory.dtype, r.memory.compute_dtype, r.memory.lora.r) == (
+        "nf4", "bfloat16", None, 8)
+    assert not r.notes
+    single = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    assert "quantised twice" in native_run(GRPOConfig(bf16=False), num_prompts=8, context_tokens=64,
+                                           device_bf16=False, lora=lora, quantization=single).notes[0]
+    for quantization, peft in ((nf4, None), (BitsAndBytesConfig(load_in_8bit=True), lora)):
+        with pytest.raises(TRLSettingError, match=r"quantization_config='BitsAndBytesConfig': a 4-bit base"):
+            native_run(GRPOConfig(bf16=False), num_prompts=8, context_tokens=64, device_bf16=False, lora=peft,
+                       quantization=quantization)
+
+
 def test_bookkeeping_settings_carry_over():
     c = run(report_to="tensorboard", disable_tqdm=True, save_strategy="no", save_total_limit=2, seed=7,
             max_tool_calling_iterations=3, temperature=0.7, top_p=0.9, top_k=20, max_grad_norm=0.0,

@@ -106,7 +106,8 @@ _NO_OP_LOADING = {"revision": (None, "main"), "trust_remote_code": (False, None)
 
 
 def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None, device_bf16: bool,
-               lora: Any = None, problems: list[Problem] | None = None) -> NativeRun:
+               lora: Any = None, quantization: Any = None, problems: list[Problem] | None = None
+               ) -> NativeRun:
     """The native run of ``args`` (a resolved TRL ``GRPOConfig``).
 
     Args:
@@ -114,6 +115,7 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
         context_tokens: the model's context (``max_position_embeddings``), or None when unknown.
         device_bf16: whether this machine computes in bfloat16 where TRL would (a bf16 GPU).
         lora: the trainer's ``peft_config`` (a peft ``LoraConfig``), or None.
+        quantization: the trainer's ``quantization_config`` (a ``BitsAndBytesConfig``), or None.
         problems: refusals found by the caller (the trainer's own arguments), reported with these.
 
     Raises:
@@ -127,7 +129,7 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
     found += _batch_problems(args, given)
     trl_steps = _trl_steps(args, num_prompts, prompts_per_step, found)
     steps = max(1, math.ceil(trl_steps / mu))
-    memory, notes = _memory(args, device_bf16, lora, found)
+    memory, notes = _memory(args, device_bf16, lora, quantization, found)
     loss = _loss(args, found)
     vllm = _vllm(args, found, notes) if args.use_vllm else None
     if vllm is not None and args.vllm_max_model_length is not None:
@@ -265,7 +267,8 @@ def _schedule(args: Any, steps: int, trl_steps: int, mu: int, found: list[Proble
                     kwargs=dict(args.lr_scheduler_kwargs or {}))
 
 
-def _memory(args: Any, device_bf16: bool, lora: Any, found: list[Problem]) -> tuple[MemoryPlan, list[str]]:
+def _memory(args: Any, device_bf16: bool, lora: Any, quantization: Any, found: list[Problem]
+            ) -> tuple[MemoryPlan, list[str]]:
     notes: list[str] = []
     dtype = _model_dtype(args, found)
     compute = "float16" if args.fp16 else "bfloat16" if args.bf16 else None
@@ -284,12 +287,34 @@ def _memory(args: Any, device_bf16: bool, lora: Any, found: list[Problem]) -> tu
                     compute_dtype=compute, micro_batch_size=args.per_device_train_batch_size,
                     optimizer=optimizer or "adamw",
                     decoding="dynamic", compile_training=bool(args.torch_compile))
+    settings.update(_four_bit(quantization, lora, found, notes))
     try:
         return MemoryPlan(**settings, lora=lora), notes
     except ValueError as error:  # a LoraConfig setting LoRA cannot honour (ConfigError is a ValueError)
         found.append(problem("peft_config", type(lora).__name__, str(error).replace("\n", " "),
                              "a LoraConfig with r, lora_alpha, lora_dropout, target_modules"))
         return MemoryPlan(**settings), notes
+
+
+def _four_bit(quantization: Any, lora: Any, found: list[Problem], notes: list[str]) -> dict[str, Any]:
+    """A ``BitsAndBytesConfig`` of a 4-bit NF4 base under a ``peft_config``: QLoRA, the base in 4 bits and
+    the compute in ``bnb_4bit_compute_dtype``; anything else is refused."""
+    if quantization is None:
+        return {}
+    four = getattr(quantization, "load_in_4bit", False)
+    kind = getattr(quantization, "bnb_4bit_quant_type", None)
+    compute = str(getattr(quantization, "bnb_4bit_compute_dtype", None) or "float32").removeprefix("torch.")
+    if not (four and kind == "nf4" and lora is not None and compute in _DTYPES):
+        found.append(problem("quantization_config", type(quantization).__name__, "a 4-bit base here is NF4 "
+                             f"under LoRA (QLoRA); got load_in_4bit={four}, bnb_4bit_quant_type={kind!r}, "
+                             f"peft_config {'set' if lora is not None else 'None'}",
+                             "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4') with a "
+                             "peft_config"))
+        return {}
+    if not getattr(quantization, "bnb_4bit_use_double_quant", False):
+        notes.append("quantization_config: the 4-bit base is quantised twice here (its scales too, "
+                     "bnb_4bit_use_double_quant=True), which this config leaves off: ~0.4 bits a weight less")
+    return {"quantization": "nf4", "dtype": compute, "compute_dtype": None}
 
 
 def _model_dtype(args: Any, found: list[Problem]) -> str:

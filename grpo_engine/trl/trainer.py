@@ -4,10 +4,10 @@ Every parameter of ``trl.GRPOTrainer.__init__`` is accepted by name. ``model`` (
 ``reward_funcs`` (functions, weighted by ``args.reward_weights``), ``train_dataset``, ``eval_dataset`` (with
 ``eval_strategy="steps"``: :class:`~grpo_engine.callbacks.HeldOutEval` every ``eval_steps``),
 ``processing_class`` (the tokenizer), ``callbacks`` (``grpo_engine.callbacks.Callback`` objects),
-``peft_config`` (a peft ``LoraConfig``), ``tools`` and ``environment_factory`` carry over; a value with no
-equivalent (a reward model by name, a ``transformers.TrainerCallback``, ``optimizers``,
-``quantization_config``, ``rollout_func``, ``reward_processing_classes``) is refused with the config's
-refusals, in one :class:`~grpo_engine.trl.mapping.TRLSettingError`.
+``peft_config`` (a peft ``LoraConfig``), ``quantization_config`` (a 4-bit NF4 base under it: QLoRA),
+``tools`` and ``environment_factory`` carry over; a value with no equivalent (a reward model by name, a
+``transformers.TrainerCallback``, ``optimizers``, ``rollout_func``, ``reward_processing_classes``) is
+refused with the config's refusals, in one :class:`~grpo_engine.trl.mapping.TRLSettingError`.
 
 The learning rate follows TRL's schedule (``transformers.get_scheduler`` with TRL's warm-up rule) in place
 of the native one. ``train(resume_from_checkpoint=True | path)`` rebuilds the native trainer with
@@ -113,7 +113,8 @@ class GRPOTrainer:
         self.args = args
         self.run: NativeRun = native_run(args, num_prompts=_length(train_dataset),
                                          context_tokens=_context(model), device_bf16=_bf16_device(),
-                                         lora=peft_config, problems=found)
+                                         lora=peft_config, quantization=quantization_config,
+                                         problems=found)
         for note in self.run.notes:
             logger.warning(note)
         if args.run_name and "wandb" in args.report_to:
@@ -309,6 +310,7 @@ def _argument_problems(args: GRPOConfig, reward_funcs: Any, train_dataset: Any, 
                        reward_processing_classes: Any, callbacks: Any, optimizers: Any,
                        quantization_config: Any, rollout_func: Any) -> list[Problem]:
     """The trainer's arguments with no equivalent here."""
+    del quantization_config  # the plan's (mapping.native_run)
     found = []
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     for func in funcs:
@@ -340,9 +342,6 @@ def _argument_problems(args: GRPOConfig, reward_funcs: Any, train_dataset: Any, 
                              "optim, learning_rate, lr_scheduler_type, weight_decay, adam_beta1/2"))
     refused = {"reward_processing_classes": (reward_processing_classes, "no reward model is loaded",
                                              "tokenize inside your reward function"),
-               "quantization_config": (quantization_config, "a 4-bit base is the native MemoryPlan's",
-                                       "GRPOTrainer(..., memory=MemoryPlan(quantization='nf4', lora=LoRA())) "
-                                       "from grpo_engine"),
                "rollout_func": (rollout_func, "rollouts are the sampler's (with tools: several turns)",
                                 "tools=[...] / environment_factory=..., or a Sampler on the native trainer")}
     found += [problem(name, value, why, near) for name, (value, why, near) in refused.items()
