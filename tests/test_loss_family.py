@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_engine.losses import SAPO
+from grpo_engine.losses import GMPO, SAPO
 from grpo_engine.protocols import GRPOLoss
 from tests.test_loss_variants import call, inputs, k_value_grad, lists
 
@@ -80,16 +80,20 @@ class SingleProcess:
     def reduce(self, x, reduction="sum"):
         return x
 
+    def gather_for_metrics(self, x):
+        return x
+
 
 def trl_loss(loss_type, lp, mask, adv, old, ref=None, *, beta=0.0, level="token", accumulation=1,
-             num_items=None, **args):
+             num_items=None, epsilon=0.2, epsilon_high=None, trainer_cls=None, **args):
     """TRL's ``_compute_loss`` on one micro-batch; ``args`` are GRPOConfig fields it reads from ``self.args``
     (sapo_temperature_pos, vespo_k_pos, ...). ``lp``/``old``/``ref`` must be finite on padding."""
-    trainer = object.__new__(trl_grpo.GRPOTrainer)
+    trainer = object.__new__(trainer_cls or trl_grpo.GRPOTrainer)
     mask = torch.as_tensor(mask).long()
     n, width = mask.shape
     vars(trainer).update(
-        loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=0.2, epsilon_high=0.2,
+        loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=epsilon,
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high,
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, aux_loss_enabled=False, use_vllm=False,
         vllm_importance_sampling_correction=False, max_completion_length=width,
         current_gradient_accumulation_steps=accumulation, accelerator=SingleProcess(),
@@ -210,10 +214,99 @@ def test_sapo_on_policy_is_the_policy_gradient():
     torch.testing.assert_close(lp.grad, torch.where(mask, -adv[:, None] / (lengths * 8), 0.0).double())
 
 
+# -- GMPO ----------------------------------------------------------------------------------------
+
+def gmpo_reference(lp, old, ref, adv, mask, *, eps_low=0.4, eps_high=0.4, kl_coef=0.0, est="k3"):
+    """GMPO, arXiv 2507.20673 eq. 4:
+    ℓ_i = -sgn(A_i)·Π_t |min(ρ_t·A_i, clip(ρ_t, e^-ε_low, e^ε_high)·A_i)|^(1/L_i), mean over sequences;
+    a token whose clipped term is the min has no gradient, the others
+    ∂ℓ_i/∂log π_t = ℓ_i / L_i."""
+    lp, old, ref, adv, mask = lists(lp, old, ref, adv, mask)
+    n_seq = len(mask)
+    loss, grad = 0.0, [[0.0] * len(row) for row in mask]
+    for i, row in enumerate(mask):
+        idx = [t for t, keep in enumerate(row) if keep]
+        if not idx:  # an empty completion adds nothing
+            continue
+        product, kept = 1.0, []
+        for t in idx:
+            rho = E(clamp(lp[i][t] - old[i][t], -20, 20))
+            clipped = clamp(rho, E(-eps_low), E(eps_high))
+            term = min(rho * adv[i], clipped * adv[i])
+            if term == rho * adv[i]:
+                kept.append(t)
+            product *= abs(term) ** (1 / len(idx))
+        seq = -math.copysign(1.0, adv[i]) * product if adv[i] != 0 else 0.0
+        loss += seq / n_seq
+        for t in idx:
+            k, dk = k_value_grad(est, lp[i][t], ref[i][t])
+            loss += kl_coef * k / (len(idx) * n_seq)
+            grad[i][t] = (seq / len(idx) if t in kept else 0.0) / n_seq + kl_coef * dk / (len(idx) * n_seq)
+    return loss, torch.tensor(grad, dtype=torch.float64)
+
+
+def test_gmpo_hand_values():
+    """ε = 0.4 (ratios clipped to (e^-0.4, e^0.4) = (0.6703, 1.4918)), old 0, N_seq = 2.
+    Row 0, A = +1, log ratios [1.0, -0.2]: token 0 clipped at 0.4, so the geometric mean is e^((0.4 - 0.2)/2)
+    = e^0.1 = 1.10517, ℓ = -1.10517; gradient [0, -1.10517/2/2 = -0.27629].
+    Row 1, A = -1, log ratios [1.0, -0.2]: A < 0 keeps the larger, so nothing clips above: e^0.4 = 1.49182,
+    ℓ = +1.49182; gradient [1.49182/4, 1.49182/4] = 0.37296 each (a token at -1.0 would be clipped at -0.4).
+    loss = (-1.10517 + 1.49182)/2 = 0.19333; clip_fraction 1/4."""
+    lp = torch.tensor([[1.0, -0.2], [1.0, -0.2]], dtype=torch.float64, requires_grad=True)
+    out = call(GMPO(), lp, [[1, 1], [1, 1]], [1.0, -1.0], torch.zeros(2, 2, dtype=torch.float64))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((-E(0.1) + E(0.4)) / 2, abs=1e-12)
+    assert out.loss.item() == pytest.approx(0.19333, abs=1e-5)
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -E(0.1) / 4], [E(0.4) / 4, E(0.4) / 4]],
+                                                     dtype=torch.float64))
+    assert out.metrics["clip_fraction"].item() == 0.25
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("kwargs", [{}, dict(clip_eps_low=0.1, clip_eps_high=0.3, kl_coef=0.1),
+                                    dict(kl_coef=0.05, kl_estimator="k1")], ids=str)
+def test_gmpo_matches_naive_reference(case, kwargs):
+    fn = GMPO(**kwargs)
+    ref_kwargs = dict(eps_low=fn.clip_eps_low, eps_high=fn.clip_eps_high, kl_coef=fn.kl_coef,
+                      est=fn.kl_estimator)
+    check(fn, lambda *a: gmpo_reference(*a, **ref_kwargs), case)
+    check(fn, lambda *a: gmpo_reference(*a, **ref_kwargs), case, truncated=[True] * case[2].shape[0])
+
+
+@pytest.mark.parametrize("case", EIGHT_ROW_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("micro_batch_size", [8, 2])
+@pytest.mark.parametrize("ours, trl_kwargs", [
+    (GMPO(), dict(epsilon=0.4)),
+    (GMPO(0.2, 0.3, kl_coef=0.1), dict(epsilon=0.2, epsilon_high=0.3, beta=0.1)),
+], ids=repr)
+def test_gmpo_equals_trl_experimental_gmpo(ours, trl_kwargs, case, micro_batch_size):
+    """Equal, except that TRL gives an empty completion the loss -A_i (its geometric mean of nothing is 1),
+    a constant without gradient; here it adds 0. The empty rows' advantages are set to 0 for the comparison
+    (the next test pins the difference)."""
+    gmpo = pytest.importorskip("trl.experimental.gmpo")
+    name, lp, mask, adv, old, ref = case
+    adv = torch.where(mask.any(dim=1), adv, 0.0)
+    against_trl(ours, "grpo", (name, lp, mask, adv, old, ref), micro_batch_size, trainer_cls=gmpo.GMPOTrainer,
+                **trl_kwargs)
+
+
+def test_gmpo_trl_counts_an_empty_completion_as_ratio_one():
+    gmpo = pytest.importorskip("trl.experimental.gmpo")
+    _, lp, mask, adv, old, ref = CASES[0]
+    empty = ~mask.any(dim=1)
+    assert empty.sum() == 1 and adv[empty].abs().sum() > 0.1
+    zero = torch.zeros((), dtype=torch.float64)
+    lp, old = torch.where(mask, lp.detach(), zero), torch.where(mask, old, zero)
+    trl = trl_loss("grpo", lp, mask, adv, old, epsilon=0.4, trainer_cls=gmpo.GMPOTrainer)
+    ours = call(GMPO(), lp, mask, adv, old).loss
+    torch.testing.assert_close(trl - ours, -adv[empty].sum() / 8, **TRL_TOL)
+
+
 # -- shared properties ----------------------------------------------------------------------------
 
 def family():
     yield from (SAPO(), SAPO(aggregation="token", kl_coef=0.1))
+    yield from (GMPO(), GMPO(0.2, 0.3, kl_coef=0.1, kl_estimator="k2"))
 
 
 @pytest.mark.parametrize("fn", list(family()), ids=repr)
@@ -238,13 +331,14 @@ def test_protocol_requirements_and_micro_batches(fn):
     (SAPO, dict(temperature_pos=0.0), r"temperature_pos=0.0 must be > 0"),
     (SAPO, dict(aggregation="constant"), r"max_completion_tokens, which must be >= 1"),
     (SAPO, dict(kl_estimator="k4"), r"kl_estimator='k4' is not one of"),
+    (GMPO, dict(clip_eps_low=-0.1, kl_coef=-1.0), r"clip_eps_low=-0.1 must be >= 0.*kl_coef=-1.0"),
 ])
 def test_constructor_validation(cls, kwargs, message):
     with pytest.raises(ValueError, match=message):
         cls(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["SAPO"])
+@pytest.mark.parametrize("name", ["SAPO", "GMPO"])
 def test_built_by_name_from_a_run_file(name):
     from grpo_engine.spec import ComponentSpec, build
 
