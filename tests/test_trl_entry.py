@@ -585,3 +585,18 @@ def test_trls_own_grpo_script_runs_with_its_import_lines_changed(tiny_folder, tm
     exec(compile(code, str(source), "exec"), {"__name__": "__main__"})
     assert "Training completed" in capsys.readouterr().out
     assert (out / "final").is_dir() and (out / "model.safetensors").is_file()
+
+
+def test_prompts_are_tokenised_as_trl_tokenises_them(tiny_folder, tmp_path):
+    """TRL: a text prompt is tokenised as it is (no template), a conversational one through the chat
+    template with the generation prompt; the native default would wrap text in a user turn."""
+    from grpo_engine.types import Prompt
+
+    data = Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"]})
+    trainer = GRPOTrainer(str(tiny_folder), _reward_len, _args(tmp_path, max_steps=1), train_dataset=data)
+    tokenizer, sampler = trainer.processing_class, trainer.native.sampler
+    assert sampler.prompt_tokens(Prompt("Sum 1 and 2")) == tokenizer(text=["Sum 1 and 2"])["input_ids"][0]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sum 1 and 2"}]
+    theirs = tokenizer.apply_chat_template(conversation=[messages], add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"][0]
+    assert sampler.prompt_tokens(Prompt(messages)) == list(theirs)

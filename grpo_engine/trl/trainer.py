@@ -43,6 +43,7 @@ from grpo_engine.trl.config import GRPOConfig
 from grpo_engine.trl.errors import Problem, problem
 from grpo_engine.trl.hub import model_card, push_folder
 from grpo_engine.trl.mapping import NativeRun, Schedule, native_run
+from grpo_engine.trl.template import TRLTemplate
 
 __all__ = ["GRPOTrainer", "TrainOutput", "trl_scheduler"]
 
@@ -262,8 +263,9 @@ def build_native(run: NativeRun, build: dict[str, Any], *, resume_from: Any) -> 
     if run.vllm is not None:
         model, tokenizer, sampler = vllm_sampler(run, model, tokenizer)
     native = NativeTrainer(model, build["rewards"], build["prompts"], run.config, run.memory,
-                           tokenizer=tokenizer, sampler=sampler, advantage=run.advantage, loss=run.loss,
-                           callbacks=build["callbacks"], resume_from=resume_from, tools=build["tools"],
+                           tokenizer=tokenizer, sampler=sampler, template=TRLTemplate(),
+                           advantage=run.advantage, loss=run.loss, callbacks=build["callbacks"],
+                           resume_from=resume_from, tools=build["tools"],
                            environment_factory=build["environment_factory"])
     native.scheduler = trl_scheduler(native.optimizer, run.schedule, start=native.state.step)
     return native
@@ -277,8 +279,9 @@ def vllm_sampler(run: NativeRun, model: Any, tokenizer: Any) -> tuple[nn.Module,
         model, loaded = load_model(model, plan=run.memory)
         tokenizer = tokenizer if tokenizer is not None else loaded
     cfg = run.config
-    shared = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_completion_tokens=cfg.max_completion_tokens,
-                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    shared = dict(template=TRLTemplate(), max_prompt_tokens=cfg.max_prompt_tokens,
+                  max_completion_tokens=cfg.max_completion_tokens, temperature=cfg.temperature,
+                  top_p=cfg.top_p, top_k=cfg.top_k)
     if run.vllm.mode == "server":
         return model, tokenizer, VLLMServerSampler(model, tokenizer, **run.vllm.settings, **shared)
     return model, tokenizer, VLLMSampler(model, tokenizer, engine_model=str(name), **run.vllm.settings,
