@@ -354,7 +354,7 @@ def _reward_len(completions, **kwargs):
 @pytest.mark.parametrize("argument, value", [
     ("reward_funcs", "some/reward-model"), ("reward_processing_classes", object()),
     ("optimizers", (object(), None)), ("quantization_config", object()), ("rollout_func", print),
-    ("callbacks", [object()]), ("eval_dataset", {"a": [], "b": []})])
+    ("callbacks", [object()]), ("eval_dataset", {"a": [], "b": []}), ("environment_factory", {"a": object})])
 def test_trainer_arguments_without_an_equivalent_are_refused(argument, value, tiny_folder, tmp_path):
     kwargs = {"reward_funcs": _reward_len, argument: value}
     with pytest.raises(TRLSettingError) as caught:

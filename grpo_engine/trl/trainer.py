@@ -111,6 +111,10 @@ class GRPOTrainer:
             args = GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
         found = _argument_problems(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes,
                                    callbacks, optimizers, quantization_config, rollout_func)
+        if isinstance(environment_factory, dict):
+            found.append(problem("environment_factory", sorted(environment_factory), "one environment "
+                                 "factory serves every prompt here (TRL's dict picks one per prompt)",
+                                 "one factory whose environment's reset() reads the prompt's columns"))
         self.args = args
         self.run: NativeRun = native_run(args, num_prompts=_length(train_dataset),
                                          context_tokens=_context(model), device_bf16=_bf16_device(),
