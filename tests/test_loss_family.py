@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_engine.losses import GMPO, SAPO
+from grpo_engine.losses import DPPO, GMPO, SAPO
 from grpo_engine.protocols import GRPOLoss
 from tests.test_loss_variants import call, inputs, k_value_grad, lists
 
@@ -302,11 +302,126 @@ def test_gmpo_trl_counts_an_empty_completion_as_ratio_one():
     torch.testing.assert_close(trl - ours, -adv[empty].sum() / 8, **TRL_TOL)
 
 
+# -- DPPO ----------------------------------------------------------------------------------------
+
+def probability_cases():
+    """Cases whose log-probs are log-probabilities (<= 0), as DPPO's divergences need: random; ratios e^±20
+    between probabilities near 1 and near e^-20; one-token and empty rows."""
+    for name, lp, mask, adv, old, ref in CASES:
+        if name == "extreme":
+            g = torch.Generator().manual_seed(7)
+            coin = torch.rand(mask.shape, generator=g, dtype=torch.float64) < 0.5
+            lp = torch.where(coin, -0.5, -20.5).double().requires_grad_()  # log-ratios of exactly ±20
+            old = torch.where(mask, torch.where(coin, -20.5, -0.5).double(), old)
+            ref = torch.where(mask, lp.detach() - 0.3, ref)  # the KL terms stay in k3's unclamped range
+        else:
+            old = torch.where(mask, old.clamp(max=0.0), old)
+        yield name, lp, mask, adv, old, ref
+
+
+PROBABILITY_CASES = list(probability_cases())
+
+
+def dppo_reference(lp, old, ref, adv, mask, *, divergence="tv", delta_low=0.2, delta_high=0.2, agg="token",
+                   max_len=None, kl_coef=0.0, est="k3"):
+    """DPPO, arXiv 2602.04879: ℓ = -M·ρ·A with M = 0 when (A > 0, ρ > 1, D > δ) or (A < 0, ρ < 1, D > δ);
+    D the binary TV |p - q| or binary KL(q‖p); ∂ℓ/∂log π = -M·ρ·A."""
+    lp, old, ref, adv, mask = lists(lp, old, ref, adv, mask)
+    n_seq, n_tok = len(mask), sum(sum(row) for row in mask)
+    loss, grad = 0.0, [[0.0] * len(row) for row in mask]
+    for i, row in enumerate(mask):
+        idx = [t for t, keep in enumerate(row) if keep]
+        for t in idx:
+            p, q = E(lp[i][t]), E(old[i][t])
+            rho = E(clamp(lp[i][t] - old[i][t], -20, 20))
+            slope = rho if abs(lp[i][t] - old[i][t]) <= 20 else 0.0  # the ±20 clamp stops the gradient
+            if divergence == "tv":
+                d = abs(p - q)
+            elif p == 1 and q < 1:
+                d = math.inf
+            else:
+                d = q * math.log(q / p) + ((1 - q) * math.log((1 - q) / (1 - p)) if q < 1 else 0.0)
+            masked = (adv[i] > 0 and rho > 1 and d > delta_high) or (adv[i] < 0 and rho < 1 and d > delta_low)
+            k, dk = k_value_grad(est, lp[i][t], ref[i][t])
+            weight = {"sequence": 1 / (len(idx) * n_seq), "token": 1 / n_tok,
+                      "constant": 1 / (n_seq * (max_len or 1))}[agg]
+            loss += weight * ((0.0 if masked else -rho * adv[i]) + kl_coef * k)
+            grad[i][t] = weight * ((0.0 if masked else -slope * adv[i]) + kl_coef * dk)
+    return loss, torch.tensor(grad, dtype=torch.float64)
+
+
+def test_dppo_hand_values():
+    """Binary TV, δ = 0.2, token mean over 4 tokens.
+    A = +1: p 0.5 vs q 0.2 (ρ = 2.5, D = 0.3 > δ, rising): masked. p 0.02 vs q 0.001 (ρ = 20, D = 0.019):
+    kept, ℓ = -20, gradient -20/4 = -5 (PPO would clip it at 1.2).
+    A = -1: p 0.1 vs q 0.5 (ρ = 0.2, D = 0.4, falling): masked. p 0.6 vs q 0.3 (ρ = 2, rising against a
+    negative advantage): kept, ℓ = +2, gradient 0.5.
+    loss = (-20 + 2)/4 = -4.5; clip_fraction 2/4."""
+    lp = torch.tensor([[0.5, 0.02], [0.1, 0.6]], dtype=torch.float64).log().requires_grad_()
+    old = torch.tensor([[0.2, 0.001], [0.5, 0.3]], dtype=torch.float64).log()
+    out = call(DPPO(), lp, [[1, 1], [1, 1]], [1.0, -1.0], old)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-4.5, abs=1e-12)
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -5.0], [0.0, 0.5]], dtype=torch.float64))
+    assert out.metrics["clip_fraction"].item() == 0.5
+
+
+def test_dppo_binary_kl_value():
+    """KL(q‖p) on {token, rest}, p 0.5, q 0.2: 0.2·ln(0.4) + 0.8·ln(1.6) = 0.192745 > 0.15 (masked at
+    δ = 0.15, kept at δ = 0.2); p = 1 against q < 1 is +inf."""
+    from grpo_engine.losses.dppo import binary_divergence
+
+    logp = torch.tensor([[0.5, 1.0]], dtype=torch.float64).log()
+    anchor = torch.tensor([[0.2, 0.3]], dtype=torch.float64).log()
+    div = binary_divergence(logp, anchor, "kl")
+    assert div[0, 0].item() == pytest.approx(0.2 * math.log(0.4) + 0.8 * math.log(1.6), abs=1e-12)
+    assert div[0, 0].item() == pytest.approx(0.192745, abs=1e-6)
+    assert div[0, 1].item() == math.inf
+    lp = logp[:, :1].clone().requires_grad_()
+    for delta, masked in ((0.15, True), (0.2, False)):
+        out = call(DPPO("kl", delta_high=delta), lp, [[1]], [1.0], anchor[:, :1])
+        assert out.metrics["clip_fraction"].item() == float(masked)
+
+
+@pytest.mark.parametrize("case", PROBABILITY_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("kwargs", [
+    {}, dict(divergence="kl", delta_low=0.05, delta_high=0.1),
+    dict(delta_low=0.01, delta_high=0.3, aggregation="sequence", kl_coef=0.1),
+    dict(divergence="kl", aggregation="constant", max_completion_tokens=9, kl_coef=0.05, kl_estimator="k2"),
+], ids=str)
+def test_dppo_matches_naive_reference(case, kwargs):
+    fn = DPPO(**kwargs)
+    ref_kwargs = dict(divergence=fn.divergence, delta_low=fn.delta_low, delta_high=fn.delta_high,
+                      agg=fn.aggregation, max_len=fn.max_completion_tokens, kl_coef=fn.kl_coef,
+                      est=fn.kl_estimator)
+    out = check(fn, lambda *a: dppo_reference(*a, **ref_kwargs), case)
+    if case[0] == "extreme":
+        assert 0 < out.metrics["clip_fraction"].item() < 1
+    check(fn, lambda *a: dppo_reference(*a, **ref_kwargs), case, truncated=[True] * case[2].shape[0])
+
+
+def test_dppo_sampler_anchor_uses_the_sampler_logprobs():
+    """anchor="sampler" is anchor="old" with the sampler's log-probs in place of π_old's."""
+    from grpo_engine.types import MicroBatch
+
+    _, lp, mask, adv, old, ref = PROBABILITY_CASES[0]
+    fn = DPPO(anchor="sampler")
+    assert fn.requires.sampler_logprobs and not DPPO().requires.sampler_logprobs
+    garbage = torch.where(mask, old - 5.0, old)
+    batch = MicroBatch(mask, adv, garbage, ref, sampler_logprobs=old)
+    got = fn(lp, batch, num_valid_tokens=int(mask.sum()), num_sequences=8)
+    want = call(DPPO(), lp, mask, adv, old, ref)
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"DPPO: anchor='sampler' needs batch.sampler_logprobs"):
+        fn(lp, MicroBatch(mask, adv, old, ref), num_valid_tokens=int(mask.sum()), num_sequences=8)
+
+
 # -- shared properties ----------------------------------------------------------------------------
 
 def family():
     yield from (SAPO(), SAPO(aggregation="token", kl_coef=0.1))
     yield from (GMPO(), GMPO(0.2, 0.3, kl_coef=0.1, kl_estimator="k2"))
+    yield from (DPPO(), DPPO("kl", 0.05, 0.1, aggregation="sequence", kl_coef=0.1))
 
 
 @pytest.mark.parametrize("fn", list(family()), ids=repr)
@@ -332,13 +447,15 @@ def test_protocol_requirements_and_micro_batches(fn):
     (SAPO, dict(aggregation="constant"), r"max_completion_tokens, which must be >= 1"),
     (SAPO, dict(kl_estimator="k4"), r"kl_estimator='k4' is not one of"),
     (GMPO, dict(clip_eps_low=-0.1, kl_coef=-1.0), r"clip_eps_low=-0.1 must be >= 0.*kl_coef=-1.0"),
+    (DPPO, dict(divergence="js", anchor="ref"), r"divergence='js' is not one of.*anchor='ref' is not one of"),
+    (DPPO, dict(delta_high=-1.0), r"delta_high=-1.0 must be >= 0"),
 ])
 def test_constructor_validation(cls, kwargs, message):
     with pytest.raises(ValueError, match=message):
         cls(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["SAPO", "GMPO"])
+@pytest.mark.parametrize("name", ["SAPO", "GMPO", "DPPO"])
 def test_built_by_name_from_a_run_file(name):
     from grpo_engine.spec import ComponentSpec, build
 
