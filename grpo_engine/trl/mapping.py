@@ -17,7 +17,8 @@ here, each with why and the nearest setting.
   grpo -> the per-sequence mean, dapo -> the token mean over the step, dr_grpo -> the token sum over N x
   max_completion_length, bnpo -> dapo's where one micro-batch is the whole step (else refused), cispo ->
   :class:`~grpo_engine.losses.cispo.CISPO` (TRL caps the weight at epsilon_high, here at 1 + clip_eps_high),
-  ``importance_sampling_level="sequence"`` with grpo -> :class:`~grpo_engine.losses.gspo.GSPO`.
+  ``importance_sampling_level="sequence"`` with grpo -> :class:`~grpo_engine.losses.gspo.GSPO`, sapo ->
+  :class:`~grpo_engine.losses.sapo.SAPO` (``sapo_temperature_pos`` / ``_neg``).
 - The advantage: ``scale_rewards`` -> ``GroupNormalized(std_scope=..., eps=1e-4)`` (TRL's 1e-4 on the std).
 - Precision: ``bf16`` -> ``MemoryPlan(compute_dtype="bfloat16")`` over float32 weights (TRL's default
   load); where TRL would refuse (no bf16 GPU and ``use_cpu=False``) the run computes in float32, with a note.
@@ -42,6 +43,7 @@ from grpo_engine.config import GRPOConfig as NativeConfig
 from grpo_engine.losses.cispo import CISPO
 from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.gspo import GSPO
+from grpo_engine.losses.sapo import SAPO
 from grpo_engine.losses.terms import RatioWeightedKL
 from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.trl.errors import Problem, TRLSettingError, problem
@@ -342,9 +344,9 @@ def _loss(args: Any, found: list[Problem]) -> Any:
     low, high = args.epsilon, args.epsilon_high
     weighted_kl = bool(beta) and bool(args.use_bias_correction_kl)
     tis = _importance_sampling(args, found)
-    if weighted_kl and (level == "sequence" or kind == "cispo"):
+    if weighted_kl and (level == "sequence" or kind in ("cispo", "sapo")):
         found.append(problem("beta", beta, "with use_bias_correction_kl=True (TRL's default) TRL multiplies "
-                             "each token's KL by the importance ratio, which GSPO and CISPO here do not",
+                             "each token's KL by the ratio, which GSPO, CISPO and SAPO here do not",
                              "use_bias_correction_kl=False (the k3 KL of GRPO), or beta=0.0 (TRL's default)"))
     if level == "sequence":
         if kind != "grpo":
@@ -364,6 +366,10 @@ def _loss(args: Any, found: list[Problem]) -> Any:
             return None
         found += _unsupported_terms(args, "CISPO", tis)
         return CISPO(clip_eps_high=high - 1, kl_coef=beta)
+    if kind == "sapo":
+        found += _unsupported_terms(args, "SAPO", tis)
+        return SAPO(temperature_pos=args.sapo_temperature_pos, temperature_neg=args.sapo_temperature_neg,
+                    kl_coef=beta)
     one_batch = args.steps_per_generation == 1 and args.world_size == 1
     aggregation = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}.get(kind)
     if kind == "bnpo" and one_batch:
@@ -409,7 +415,6 @@ _PENDING = "it is pending work (issue 53: more loss families)"
 _LOSS_WHY = {
     "bnpo": "bnpo normalises each micro-batch by its own tokens, which differs from the step's token mean "
             "when a step has several micro-batches (gradient_accumulation_steps > 1 or several processes)",
-    "sapo": f"SAPO's soft gate is not implemented here; {_PENDING}",
     "vespo": f"VESPO's Gamma weighting is not implemented here; {_PENDING}",
     "luspo": f"LUSPO's length-scaled sequence loss is not implemented here; {_PENDING}",
 }
