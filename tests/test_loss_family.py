@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_engine.losses import DPPO, GMPO, SAPO
+from grpo_engine.losses import DPPO, GMPO, LUSPO, SAPO
 from grpo_engine.protocols import GRPOLoss
 from tests.test_loss_variants import call, inputs, k_value_grad, lists
 
@@ -416,12 +416,75 @@ def test_dppo_sampler_anchor_uses_the_sampler_logprobs():
         fn(lp, MicroBatch(mask, adv, old, ref), num_valid_tokens=int(mask.sum()), num_sequences=8)
 
 
+# -- LUSPO ---------------------------------------------------------------------------------------
+
+def luspo_reference(lp, old, ref, adv, mask, *, eps_low=3e-4, eps_high=4e-4, kl_coef=0.0, est="k3"):
+    """LUSPO, arXiv 2602.05261: GSPO's ℓ_i = -min(s_i A_i, clip(s_i) A_i) with s_i the geometric mean of the
+    token ratios, times L_i, summed and divided by the number of sequences; unclipped, ∂/∂log π_it = -A_i s_i
+    (the L_i cancels GSPO's 1/L_i)."""
+    lp, old, ref, adv, mask = lists(lp, old, ref, adv, mask)
+    n_seq = len(mask)
+    loss, grad = 0.0, [[0.0] * len(row) for row in mask]
+    for i, row in enumerate(mask):
+        idx = [t for t, keep in enumerate(row) if keep]
+        if not idx:
+            continue
+        s = E(sum(lp[i][t] - old[i][t] for t in idx) / len(idx))
+        c = clamp(s, 1 - eps_low, 1 + eps_high)
+        clipped = c * adv[i] < s * adv[i]
+        loss += -len(idx) * min(s * adv[i], c * adv[i]) / n_seq
+        for t in idx:
+            k, dk = k_value_grad(est, lp[i][t], ref[i][t])
+            loss += kl_coef * k / n_seq
+            grad[i][t] = (0.0 if clipped else -adv[i] * s) / n_seq + kl_coef * dk / n_seq
+    return loss, torch.tensor(grad, dtype=torch.float64)
+
+
+def test_luspo_hand_values():
+    """ε = 0.2, old 0, N_seq = 2. Row 0: 3 tokens, log ratios [0.1, 0.1, 0.1], s = e^0.1 = 1.10517 in range,
+    A = +1: ℓ = -1.10517, times L = 3: -3.31551; gradient -A·s/N_seq = -0.55259 on each token (GSPO: a third).
+    Row 1: 1 token, log ratio 0.5, s = 1.64872 > 1.2, A = +1: clipped, ℓ = -1.2, times 1; no gradient.
+    loss = (-3.31551 - 1.2)/2 = -2.25776; clip_fraction 1/2."""
+    lp = torch.tensor([[0.1, 0.1, 0.1], [0.5, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    out = call(LUSPO(0.2, 0.2), lp, [[1, 1, 1], [1, 0, 0]], [1.0, 1.0], old)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((-3 * E(0.1) - 1.2) / 2, abs=1e-12)
+    assert out.loss.item() == pytest.approx(-2.25776, abs=1e-5)
+    torch.testing.assert_close(lp.grad, torch.tensor([[-E(0.1) / 2] * 3, [0.0] * 3], dtype=torch.float64))
+    assert out.metrics["clip_fraction"].item() == 0.5
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("kwargs", [
+    {}, dict(clip_eps_low=0.1, clip_eps_high=0.15, kl_coef=0.1),
+    dict(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05, kl_estimator="k2"),
+], ids=str)
+def test_luspo_matches_naive_reference(case, kwargs):
+    fn = LUSPO(**kwargs)
+    ref_kwargs = dict(eps_low=fn.clip_eps_low, eps_high=fn.clip_eps_high, kl_coef=fn.kl_coef,
+                      est=fn.kl_estimator)
+    check(fn, lambda *a: luspo_reference(*a, **ref_kwargs), case)
+    check(fn, lambda *a: luspo_reference(*a, **ref_kwargs), case, truncated=[True] * case[2].shape[0])
+
+
+@pytest.mark.parametrize("case", EIGHT_ROW_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("micro_batch_size", [8, 2])
+@pytest.mark.parametrize("ours, trl_kwargs", [
+    (LUSPO(), dict(epsilon=3e-4, epsilon_high=4e-4)),
+    (LUSPO(0.1, 0.15, kl_coef=0.1), dict(epsilon=0.1, epsilon_high=0.15, beta=0.1)),
+], ids=repr)
+def test_luspo_equals_trl(ours, trl_kwargs, case, micro_batch_size):
+    against_trl(ours, "luspo", case, micro_batch_size, level="sequence", **trl_kwargs)
+
+
 # -- shared properties ----------------------------------------------------------------------------
 
 def family():
     yield from (SAPO(), SAPO(aggregation="token", kl_coef=0.1))
     yield from (GMPO(), GMPO(0.2, 0.3, kl_coef=0.1, kl_estimator="k2"))
     yield from (DPPO(), DPPO("kl", 0.05, 0.1, aggregation="sequence", kl_coef=0.1))
+    yield from (LUSPO(), LUSPO(0.1, 0.15, kl_coef=0.1, kl_estimator="k1"))
 
 
 @pytest.mark.parametrize("fn", list(family()), ids=repr)
@@ -449,13 +512,14 @@ def test_protocol_requirements_and_micro_batches(fn):
     (GMPO, dict(clip_eps_low=-0.1, kl_coef=-1.0), r"clip_eps_low=-0.1 must be >= 0.*kl_coef=-1.0"),
     (DPPO, dict(divergence="js", anchor="ref"), r"divergence='js' is not one of.*anchor='ref' is not one of"),
     (DPPO, dict(delta_high=-1.0), r"delta_high=-1.0 must be >= 0"),
+    (LUSPO, dict(clip_eps_high=-1.0), r"clip_eps_high=-1.0 must be >= 0"),
 ])
 def test_constructor_validation(cls, kwargs, message):
     with pytest.raises(ValueError, match=message):
         cls(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["SAPO", "GMPO", "DPPO"])
+@pytest.mark.parametrize("name", ["SAPO", "GMPO", "DPPO", "LUSPO"])
 def test_built_by_name_from_a_run_file(name):
     from grpo_engine.spec import ComponentSpec, build
 
