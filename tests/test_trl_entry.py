@@ -160,6 +160,16 @@ def test_num_iterations_divides_trls_step_counts():
     assert run(logging_steps=0.25, max_steps=40).config.log_every_steps == 10
 
 
+def test_a_model_object_trains_in_its_own_dtype_and_ignores_the_loading_settings():
+    """TRL trains a model passed in as it is and warns that model_init_kwargs and quantization_config
+    (which apply to a name) are ignored."""
+    r = native_run(GRPOConfig(model_init_kwargs={"dtype": "float16"}), num_prompts=8, context_tokens=64,
+                   device_bf16=True, model_dtype="bfloat16", quantization=object())
+    assert (r.memory.dtype, r.memory.compute_dtype, r.memory.quantization) == ("bfloat16", None, None)
+    assert [note.split(" is ")[0] for note in r.notes] == ["model_init_kwargs", "quantization_config"]
+    assert run(disable_dropout=True).memory.dtype == "float32"  # dropout is always off here
+
+
 def test_a_4_bit_nf4_base_under_peft_is_qlora():
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig

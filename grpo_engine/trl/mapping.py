@@ -108,8 +108,8 @@ _NO_OP_LOADING = {"revision": (None, "main"), "trust_remote_code": (False, None)
 
 
 def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None, device_bf16: bool,
-               lora: Any = None, quantization: Any = None, problems: list[Problem] | None = None
-               ) -> NativeRun:
+               lora: Any = None, quantization: Any = None, model_dtype: str | None = None,
+               problems: list[Problem] | None = None) -> NativeRun:
     """The native run of ``args`` (a resolved TRL ``GRPOConfig``).
 
     Args:
@@ -118,6 +118,8 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
         device_bf16: whether this machine computes in bfloat16 where TRL would (a bf16 GPU).
         lora: the trainer's ``peft_config`` (a peft ``LoraConfig``), or None.
         quantization: the trainer's ``quantization_config`` (a ``BitsAndBytesConfig``), or None.
+        model_dtype: the dtype of a model object passed in (None for a name): TRL trains it in that dtype,
+            and ``model_init_kwargs`` and ``quantization_config`` apply to a name only (TRL warns).
         problems: refusals found by the caller (the trainer's own arguments), reported with these.
 
     Raises:
@@ -131,7 +133,7 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
     found += _batch_problems(args, given)
     trl_steps = _trl_steps(args, num_prompts, prompts_per_step, found)
     steps = max(1, math.ceil(trl_steps / mu))
-    memory, notes = _memory(args, device_bf16, lora, quantization, found)
+    memory, notes = _memory(args, device_bf16, lora, quantization, model_dtype, found)
     loss = _loss(args, found)
     vllm = _vllm(args, found, notes) if args.use_vllm else None
     if vllm is not None and args.vllm_max_model_length is not None:
@@ -269,10 +271,19 @@ def _schedule(args: Any, steps: int, trl_steps: int, mu: int, found: list[Proble
                     kwargs=dict(args.lr_scheduler_kwargs or {}))
 
 
-def _memory(args: Any, device_bf16: bool, lora: Any, quantization: Any, found: list[Problem]
-            ) -> tuple[MemoryPlan, list[str]]:
+def _memory(args: Any, device_bf16: bool, lora: Any, quantization: Any, model_dtype: str | None,
+            found: list[Problem]) -> tuple[MemoryPlan, list[str]]:
     notes: list[str] = []
-    dtype = _model_dtype(args, found)
+    if model_dtype is not None:  # a model object: TRL ignores the loading settings, with a warning
+        ignored = [name for name, value in (("model_init_kwargs", args.model_init_kwargs),
+                                            ("quantization_config", quantization)) if value is not None]
+        notes += [f"{name} is ignored: the model is already built (as TRL does)" for name in ignored]
+        quantization = None
+    dtype = model_dtype or _model_dtype(args, found)
+    if dtype not in _DTYPES:
+        found.append(problem("model", dtype, "a model object's weights train in float32, bfloat16 or "
+                             "float16 here", "the model in one of them, or its name"))
+        dtype = "float32"
     compute = "float16" if args.fp16 else "bfloat16" if args.bf16 else None
     if compute == "bfloat16" and not (device_bf16 or args.use_cpu):
         notes.append("bf16=True (TRL's default when fp16 is off): TRL refuses it on a machine without a bf16 "

@@ -41,6 +41,7 @@ MAPPED: dict[str, str] = {
     "activation_checkpointing": f"{_MEM}.gradient_checkpointing",
     "torch_compile": f"{_MEM}.compile_training",
     "model_init_kwargs": f"{_MEM}.dtype (its 'dtype' key only)",
+    "disable_dropout": "dropout is always off here (memory.apply.prepare_model), TRL's True",
     "logging_steps": f"{_CFG}.log_every_steps",
     "save_strategy": f"{_CFG}.save_every_steps ('steps'; 'no': none)",
     "save_steps": f"{_CFG}.save_every_steps",
@@ -102,7 +103,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     # -- TRL's own: model and reference ------------------------------------------------------------
     "trust_remote_code": ("models are loaded without remote code", "a model folder in transformers layout"),
     "router_aux_loss_coef": ("no mixture-of-experts auxiliary loss is added", "leave it unset"),
-    "disable_dropout": ("dropout stays as the model has it", "a model config with dropout 0 (most have)"),
     "cast_lm_head_to_fp32": ("the lm_head pass is chunked in the compute dtype",
                              "bf16=False (float32 throughout)"),
     "sync_ref_model": ("the reference policy is fixed", "beta=0.0, or a KL to the fixed reference"),

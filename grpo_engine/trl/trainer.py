@@ -20,6 +20,7 @@ everything else.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -119,7 +120,7 @@ class GRPOTrainer:
         self.run: NativeRun = native_run(args, num_prompts=_length(train_dataset),
                                          context_tokens=_context(model), device_bf16=_bf16_device(),
                                          lora=peft_config, quantization=quantization_config,
-                                         problems=found)
+                                         model_dtype=_dtype_of(model), problems=found)
         for note in self.run.notes:
             logger.warning(note)
         if args.run_name and "wandb" in args.report_to:
@@ -176,6 +177,8 @@ class GRPOTrainer:
             model = self.build["model"]
             model = model if isinstance(model, (str, Path)) else _source(self.native)  # a name loads afresh
             build = {**self.build, "model": model, "tokenizer": self.native.tokenizer}
+            self.native = None  # the first trainer's model and reference go before the resumed one loads
+            gc.collect()
             self.native = build_native(self.run, build, resume_from=where)
         history = self.native.train()
         if self.args.push_to_hub:  # TRL pushes at each save (hub_strategy 'every_save'): here, the last
@@ -384,6 +387,13 @@ def _context(model: Any) -> int | None:
         except (OSError, ValueError):
             return None
     return getattr(config, "max_position_embeddings", None)
+
+
+def _dtype_of(model: Any) -> str | None:
+    """The dtype of a model object's weights (``"bfloat16"``, ...), None for a name or folder."""
+    if isinstance(model, (str, Path)):
+        return None
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def _bf16_device() -> bool:
