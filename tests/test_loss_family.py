@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_engine.losses import DPPO, GMPO, LUSPO, SAPO
+from grpo_engine.losses import DPPO, GMPO, LUSPO, SAPO, VESPO
 from grpo_engine.protocols import GRPOLoss
 from tests.test_loss_variants import call, inputs, k_value_grad, lists
 
@@ -478,6 +478,73 @@ def test_luspo_equals_trl(ours, trl_kwargs, case, micro_batch_size):
     against_trl(ours, "luspo", case, micro_batch_size, level="sequence", **trl_kwargs)
 
 
+# -- VESPO ---------------------------------------------------------------------------------------
+
+def vespo_reference(lp, old, ref, adv, mask, *, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0, agg="token",
+                    max_len=None, kl_coef=0.0, est="k3"):
+    """VESPO, arXiv 2602.10693 (App. I): W = Π_t ρ_t (log clamped as the paper's code does),
+    φ = W^k e^(λ(1 - W)), ℓ_t = -sg[φ]·A·log π_t; ∂ℓ_t/∂log π_t = -φ·A."""
+    lp, old, ref, adv, mask = lists(lp, old, ref, adv, mask)
+    n_seq, n_tok = len(mask), sum(sum(row) for row in mask)
+    loss, grad = 0.0, [[0.0] * len(row) for row in mask]
+    for i, row in enumerate(mask):
+        idx = [t for t, keep in enumerate(row) if keep]
+        log_w = clamp(sum(clamp(lp[i][t] - old[i][t], -20, 20) for t in idx), math.log(1e-8), 20)
+        w = E(log_w)
+        k, lam = (k_pos, lam_pos) if adv[i] >= 0 else (k_neg, lam_neg)
+        phi = w**k * E(lam * (1 - w))
+        for t in idx:
+            kl, dkl = k_value_grad(est, lp[i][t], ref[i][t])
+            weight = {"sequence": 1 / (len(idx) * n_seq), "token": 1 / n_tok,
+                      "constant": 1 / (n_seq * (max_len or 1))}[agg]
+            loss += weight * (-phi * adv[i] * lp[i][t] + kl_coef * kl)
+            grad[i][t] = weight * (-phi * adv[i] + kl_coef * dkl)
+    return loss, torch.tensor(grad, dtype=torch.float64)
+
+
+def test_vespo_hand_values():
+    """Defaults (k, λ) = (2, 3) for A >= 0 and (3, 2) for A < 0; old 0; token mean over 3 tokens.
+    Row 0, A = +1, logp [-0.2, 0.3]: W = e^0.1 = 1.10517, φ = W²·e^(3(1 - W)) = 1.22140·0.72941 = 0.89091;
+    gradient -φ/3 = -0.29697 on both tokens.
+    Row 1, A = -1, logp [-0.5]: W = e^-0.5 = 0.60653, φ = W³·e^(2(1 - W)) = 0.22313·2.19666 = 0.49014;
+    gradient +φ/3 = 0.16338. loss = -(0.89091·(-0.2 + 0.3) + (-1)·0.49014·(-0.5))/3 = -0.11139."""
+    lp = torch.tensor([[-0.2, 0.3], [-0.5, math.nan]], dtype=torch.float64, requires_grad=True)
+    out = call(VESPO(), lp, [[1, 1], [1, 0]], [1.0, -1.0], torch.zeros(2, 2, dtype=torch.float64))
+    out.loss.backward()
+    phi0, phi1 = E(0.1) ** 2 * E(3 * (1 - E(0.1))), E(-0.5) ** 3 * E(2 * (1 - E(-0.5)))
+    assert (phi0, phi1) == (pytest.approx(0.89091, abs=1e-5), pytest.approx(0.49014, abs=1e-5))
+    assert out.loss.item() == pytest.approx(-(phi0 * 0.1 + phi1 * 0.5) / 3, abs=1e-12)
+    assert out.loss.item() == pytest.approx(-0.11139, abs=1e-5)
+    torch.testing.assert_close(lp.grad, torch.tensor([[-phi0 / 3, -phi0 / 3], [phi1 / 3, 0.0]],
+                                                     dtype=torch.float64))
+    assert out.metrics["vespo_weight"].item() == pytest.approx((2 * phi0 + phi1) / 3, abs=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("kwargs", [
+    {}, dict(k_pos=1.0, lambda_pos=0.5, k_neg=4.0, lambda_neg=2.5, aggregation="sequence", kl_coef=0.1),
+    dict(aggregation="constant", max_completion_tokens=8, kl_coef=0.05, kl_estimator="k2"),
+], ids=str)
+def test_vespo_matches_naive_reference(case, kwargs):
+    fn = VESPO(**kwargs)
+    ref_kwargs = dict(k_pos=fn.k_pos, lam_pos=fn.lambda_pos, k_neg=fn.k_neg, lam_neg=fn.lambda_neg,
+                      agg=fn.aggregation, max_len=fn.max_completion_tokens, kl_coef=fn.kl_coef,
+                      est=fn.kl_estimator)
+    check(fn, lambda *a: vespo_reference(*a, **ref_kwargs), case)
+    check(fn, lambda *a: vespo_reference(*a, **ref_kwargs), case, truncated=[True] * case[2].shape[0])
+
+
+@pytest.mark.parametrize("case", EIGHT_ROW_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("micro_batch_size", [8, 2])
+@pytest.mark.parametrize("ours, trl_kwargs", [
+    (VESPO(), dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)),
+    (VESPO(1.0, 0.5, 4.0, 2.5, kl_coef=0.1),
+     dict(vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=2.5, beta=0.1)),
+], ids=repr)
+def test_vespo_equals_trl(ours, trl_kwargs, case, micro_batch_size):
+    against_trl(ours, "vespo", case, micro_batch_size, **trl_kwargs)
+
+
 # -- shared properties ----------------------------------------------------------------------------
 
 def family():
@@ -485,6 +552,7 @@ def family():
     yield from (GMPO(), GMPO(0.2, 0.3, kl_coef=0.1, kl_estimator="k2"))
     yield from (DPPO(), DPPO("kl", 0.05, 0.1, aggregation="sequence", kl_coef=0.1))
     yield from (LUSPO(), LUSPO(0.1, 0.15, kl_coef=0.1, kl_estimator="k1"))
+    yield from (VESPO(), VESPO(aggregation="sequence", kl_coef=0.1))
 
 
 @pytest.mark.parametrize("fn", list(family()), ids=repr)
@@ -513,13 +581,14 @@ def test_protocol_requirements_and_micro_batches(fn):
     (DPPO, dict(divergence="js", anchor="ref"), r"divergence='js' is not one of.*anchor='ref' is not one of"),
     (DPPO, dict(delta_high=-1.0), r"delta_high=-1.0 must be >= 0"),
     (LUSPO, dict(clip_eps_high=-1.0), r"clip_eps_high=-1.0 must be >= 0"),
+    (VESPO, dict(k_neg=-1.0, lambda_pos=0.0), r"k_neg=-1.0 must be >= 0.*lambda_pos=0.0 must be > 0"),
 ])
 def test_constructor_validation(cls, kwargs, message):
     with pytest.raises(ValueError, match=message):
         cls(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["SAPO", "GMPO", "DPPO", "LUSPO"])
+@pytest.mark.parametrize("name", ["SAPO", "GMPO", "DPPO", "LUSPO", "VESPO"])
 def test_built_by_name_from_a_run_file(name):
     from grpo_engine.spec import ComponentSpec, build
 

@@ -6,8 +6,9 @@ the three aggregations of ``aggregation.py``; ``GSPO`` clips a sequence-level ra
 2507.18071); ``CISPO`` clips a stop-gradient importance weight (arXiv 2506.13585); ``SAPO`` replaces
 the clip by a soft gate (arXiv 2511.20347); ``GMPO`` takes the geometric mean of clipped token ratios
 (arXiv 2507.20673); ``DPPO`` masks tokens whose probability leaves a TV or KL trust region (arXiv
-2602.04879); ``LUSPO`` weights GSPO's sequence losses by their lengths (arXiv 2602.05261). The KL
-estimators ``kl_k1`` / ``kl_k2`` / ``kl_k3`` live in :mod:`grpo_engine.ops.kl` (re-exported).
+2602.04879); ``LUSPO`` weights GSPO's sequence losses by their lengths (arXiv 2602.05261); ``VESPO``
+weights REINFORCE by a Gamma kernel of the sequence ratio (arXiv 2602.10693). The KL estimators
+``kl_k1`` / ``kl_k2`` / ``kl_k3`` live in :mod:`grpo_engine.ops.kl` (re-exported).
 """
 
 from grpo_engine.losses.aggregation import AGGREGATIONS, aggregate
@@ -19,8 +20,9 @@ from grpo_engine.losses.gspo import GSPO
 from grpo_engine.losses.luspo import LUSPO
 from grpo_engine.losses.sapo import SAPO
 from grpo_engine.losses.terms import EntropyBonus, HighEntropyTokens, KLPenalty, MaskTruncated, TruncatedIS
+from grpo_engine.losses.vespo import VESPO
 from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator, kl_k1, kl_k2, kl_k3
 
-__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "SAPO", "GMPO", "DPPO", "LUSPO", "MaskTruncated",
-           "TruncatedIS", "HighEntropyTokens", "KLPenalty", "EntropyBonus", "AGGREGATIONS", "aggregate",
-           "KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]
+__all__ = ["ClippedSurrogate", "GSPO", "CISPO", "SAPO", "GMPO", "DPPO", "LUSPO", "VESPO",
+           "MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "EntropyBonus",
+           "AGGREGATIONS", "aggregate", "KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]
