@@ -18,7 +18,8 @@ here, each with why and the nearest setting.
   max_completion_length, bnpo -> dapo's where one micro-batch is the whole step (else refused), cispo ->
   :class:`~grpo_engine.losses.cispo.CISPO` (TRL caps the weight at epsilon_high, here at 1 + clip_eps_high),
   ``importance_sampling_level="sequence"`` with grpo -> :class:`~grpo_engine.losses.gspo.GSPO`, sapo ->
-  :class:`~grpo_engine.losses.sapo.SAPO` (``sapo_temperature_pos`` / ``_neg``).
+  :class:`~grpo_engine.losses.sapo.SAPO` (``sapo_temperature_pos`` / ``_neg``), luspo -> at sequence level
+  :class:`~grpo_engine.losses.luspo.LUSPO`, at token level the token sum over the completions.
 - The advantage: ``scale_rewards`` -> ``GroupNormalized(std_scope=..., eps=1e-4)`` (TRL's 1e-4 on the std).
 - Precision: ``bf16`` -> ``MemoryPlan(compute_dtype="bfloat16")`` over float32 weights (TRL's default
   load); where TRL would refuse (no bf16 GPU and ``use_cpu=False``) the run computes in float32, with a note.
@@ -43,6 +44,7 @@ from grpo_engine.config import GRPOConfig as NativeConfig
 from grpo_engine.losses.cispo import CISPO
 from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.gspo import GSPO
+from grpo_engine.losses.luspo import LUSPO
 from grpo_engine.losses.sapo import SAPO
 from grpo_engine.losses.terms import RatioWeightedKL
 from grpo_engine.memory.plan import MemoryPlan
@@ -360,12 +362,14 @@ def _loss(args: Any, found: list[Problem]) -> Any:
                              "each token's KL by the ratio, which GSPO, CISPO and SAPO here do not",
                              "use_bias_correction_kl=False (the k3 KL of GRPO), or beta=0.0 (TRL's default)"))
     if level == "sequence":
-        if kind != "grpo":
+        if kind not in ("grpo", "luspo"):
             found.append(problem("importance_sampling_level", level, f"a sequence-level ratio with "
                                  f"loss_type={kind!r} weights each sequence by its length in TRL; GSPO here "
                                  "is the per-sequence mean",
                                  "loss_type='grpo' with importance_sampling_level='sequence' (GSPO)"))
-        found += _unsupported_terms(args, "GSPO", tis)
+        found += _unsupported_terms(args, "LUSPO" if kind == "luspo" else "GSPO", tis)
+        if kind == "luspo":
+            return LUSPO(clip_eps_low=low, clip_eps_high=high, kl_coef=beta)
         return GSPO(clip_eps_low=low, clip_eps_high=high, kl_coef=beta)
     if level != "token":
         found.append(problem("importance_sampling_level", level, "not 'token' or 'sequence'", "'token'"))
@@ -382,7 +386,8 @@ def _loss(args: Any, found: list[Problem]) -> Any:
         return SAPO(temperature_pos=args.sapo_temperature_pos, temperature_neg=args.sapo_temperature_neg,
                     kl_coef=beta)
     one_batch = args.steps_per_generation == 1 and args.world_size == 1
-    aggregation = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}.get(kind)
+    # luspo at token level: each completion's token sum, mean over completions (a constant of 1 token)
+    aggregation = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant", "luspo": "constant"}.get(kind)
     if kind == "bnpo" and one_batch:
         aggregation = "token"  # one micro-batch per step: the local batch is the whole step
     if aggregation is None:
@@ -396,7 +401,8 @@ def _loss(args: Any, found: list[Problem]) -> Any:
                              "the token count)"))
     return ClippedSurrogate(clip_eps_low=low, clip_eps_high=high, kl_coef=0.0 if weighted_kl else beta,
                             terms=(RatioWeightedKL(beta),) if weighted_kl else (), aggregation=aggregation,
-                            max_completion_tokens=args.max_completion_length if kind == "dr_grpo" else None,
+                            max_completion_tokens={"dr_grpo": args.max_completion_length,
+                                                   "luspo": 1}.get(kind),
                             delta=args.delta, mask_truncated=bool(args.mask_truncated_completions),
                             top_entropy_quantile=(args.top_entropy_quantile if args.top_entropy_quantile < 1
                                                   else None), **tis)
@@ -427,5 +433,4 @@ _LOSS_WHY = {
     "bnpo": "bnpo normalises each micro-batch by its own tokens, which differs from the step's token mean "
             "when a step has several micro-batches (gradient_accumulation_steps > 1 or several processes)",
     "vespo": f"VESPO's Gamma weighting is not implemented here; {_PENDING}",
-    "luspo": f"LUSPO's length-scaled sequence loss is not implemented here; {_PENDING}",
 }
