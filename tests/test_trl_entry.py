@@ -143,6 +143,9 @@ def test_the_generation_batch_becomes_prompts_per_step(monkeypatch):
     assert (r.config.prompts_per_step, r.memory.micro_batch_size) == (4, 4)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert run(num_generations=4, per_device_train_batch_size=8).config.prompts_per_step == 4
+    with pytest.raises(TRLSettingError, match=r"per_device_train_batch_size=2: 1 prompt\(s\) a step across 2 "
+                                              r"processes.*a multiple of num_generations=4"):
+        run(num_generations=4, per_device_train_batch_size=2)
     with pytest.raises(TRLSettingError, match=r"steps_per_generation=2: a generation batch of 16 "
                                               r"completions spread over 2 / 1 optimizer steps.*nearest: "
                                               r"leave it unset.* = 8"):

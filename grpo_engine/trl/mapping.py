@@ -205,6 +205,13 @@ def _batch_problems(args: Any, given: set[str]) -> list[Problem]:
                              "per_device_train_batch_size x gradient_accumulation_steps x WORLD_SIZE = "
                              f"{whole}), "
                              f"or set gradient_accumulation_steps={args.steps_per_generation}"))
+    prompts = args.generation_batch_size // args.num_generations
+    if args.world_size > 1 and prompts % args.world_size:
+        found.append(problem("per_device_train_batch_size", args.per_device_train_batch_size,
+                             f"{prompts} prompt(s) a step across {args.world_size} processes: TRL spreads a "
+                             "group's completions over the processes, here each process samples whole groups",
+                             "per_device_train_batch_size x gradient_accumulation_steps a multiple of "
+                             f"num_generations={args.num_generations}"))
     if args.max_completion_length is None:
         found.append(problem("max_completion_length", None, "every completion needs a token limit here",
                              "max_completion_length=512 (TRL's default)"))
