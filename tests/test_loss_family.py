@@ -179,6 +179,7 @@ def test_sapo_hand_values():
                                                      dtype=torch.float64))
     assert lp.grad[1, 0].item() == pytest.approx(0.583168, abs=1e-6)
     assert out.metrics["clip_fraction"].item() == 0.0
+    assert out.metrics["gate_damping"].item() == pytest.approx((1 - 4 * p * (1 - p)) / 3, abs=1e-12)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
@@ -517,7 +518,7 @@ def test_vespo_hand_values():
     assert out.loss.item() == pytest.approx(-0.11139, abs=1e-5)
     torch.testing.assert_close(lp.grad, torch.tensor([[-phi0 / 3, -phi0 / 3], [phi1 / 3, 0.0]],
                                                      dtype=torch.float64))
-    assert out.metrics["vespo_weight"].item() == pytest.approx((2 * phi0 + phi1) / 3, abs=1e-12)
+    assert out.metrics["vespo_damping"].item() == pytest.approx((2 * (1 - phi0) + 1 - phi1) / 3, abs=1e-12)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
@@ -573,6 +574,34 @@ def test_protocol_requirements_and_micro_batches(fn):
         torch.testing.assert_close(sum(p.metrics[name] for p in parts), value, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("fn", list(family()), ids=repr)
+def test_needs_zero_advantage_rows_tells_the_truth(fn):
+    """Dropping the rows with A = 0 (same step counts) changes nothing exactly when the loss says so."""
+    lp, mask, adv, old, ref, _ = inputs()
+    old = torch.where(mask, old.clamp(max=0.0), old)  # log-probabilities, for DPPO's divergences
+    counts = fn.counts(mask)
+    full = call(fn, lp, mask, adv, old, ref, counts=counts)
+    full.loss.backward()
+    rows = adv != 0
+    lp2 = lp.detach()[rows].requires_grad_()
+    part = call(fn, lp2, mask[rows], adv[rows], old[rows], ref[rows], counts=counts)
+    part.loss.backward()
+    same = (torch.equal(full.loss.detach(), part.loss.detach()) and torch.equal(lp.grad[rows], lp2.grad)
+            and not lp.grad[~rows].any()
+            and all(torch.equal(v, part.metrics[k]) for k, v in full.metrics.items()))
+    assert same != fn.requires.zero_advantage_rows
+
+
+@pytest.mark.parametrize("fn", list(family()), ids=repr)
+def test_gradcheck(fn):
+    """Autograd against finite differences, off-policy; VESPO's weight is stop-gradient by design, so it is
+    checked on-policy (W = 1 whatever the perturbation)."""
+    lp, mask, adv, old, ref, _ = inputs(seed=1, lengths=(3, 1, 2, 0), width=3)
+    old = None if isinstance(fn, VESPO) else torch.where(mask, old.clamp(max=0.0), old)
+    lp = lp.detach().clamp(max=-0.05).requires_grad_()  # away from p = 1
+    assert torch.autograd.gradcheck(lambda x: call(fn, x, mask, adv, old, ref).loss, (lp,))
+
+
 @pytest.mark.parametrize("cls, kwargs, message", [
     (SAPO, dict(temperature_pos=0.0), r"temperature_pos=0.0 must be > 0"),
     (SAPO, dict(aggregation="constant"), r"max_completion_tokens, which must be >= 1"),
@@ -588,9 +617,21 @@ def test_constructor_validation(cls, kwargs, message):
         cls(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["SAPO", "GMPO", "DPPO", "LUSPO", "VESPO"])
-def test_built_by_name_from_a_run_file(name):
-    from grpo_engine.spec import ComponentSpec, build
+@pytest.mark.parametrize("yaml_loss, cli_set, want", [
+    ("{class: grpo_engine.losses.SAPO}", "loss.temperature_neg=1.5", SAPO(temperature_neg=1.5)),
+    ("{class: grpo_engine.losses.GMPO, clip_eps_low: 0.2}", "loss.kl_coef=0.01", GMPO(0.2, kl_coef=0.01)),
+    ("{class: grpo_engine.losses.DPPO, divergence: kl}", "loss.anchor=sampler", DPPO("kl", anchor="sampler")),
+    ("{class: grpo_engine.losses.LUSPO}", "loss.clip_eps_high=0.28", LUSPO(clip_eps_high=0.28)),
+    ("{class: grpo_engine.losses.VESPO, k_pos: 1.0}", "loss.lambda_neg=2.5",
+     VESPO(k_pos=1.0, lambda_neg=2.5)),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_built_by_name_from_a_run_file_and_the_command_line(yaml_loss, cli_set, want):
+    """A run file's ``loss:`` names the class and its keywords; ``grpo-engine train --set`` overrides one."""
+    from grpo_engine.cli import _overridden
+    from grpo_engine.config import load_yaml
+    from grpo_engine.spec import RunSpec, build
 
-    loss = build(ComponentSpec.model_validate({"class": f"grpo_engine.losses.{name}"}))
-    assert type(loss).__name__ == name
+    text = ("model: m\ntrain_prompts: {function: grpo_engine.data.load_gsm8k}\n"
+            f"rewards: [{{class: grpo_engine.rewards.MathAccuracy}}]\nloss: {yaml_loss}\n")
+    spec = RunSpec.model_validate(_overridden(load_yaml(text), [cli_set]))
+    assert build(spec.loss) == want

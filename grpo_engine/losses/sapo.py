@@ -11,8 +11,9 @@ Soft Adaptive Policy Optimization (Qwen, Gao et al., arXiv 2511.20347). Per vali
 smoothly as ρ leaves 1 instead of dropping to 0 at a clip edge. τ_neg > τ_pos (paper: 1.05 and 1.0) damps
 negative-advantage tokens faster. TRL 1.16 ``loss_type="sapo"`` computes the same (its ``grpo``
 aggregation, no ratio clamp: the two agree while |log ρ| <= 20). Metric ``clip_fraction``: 0 (nothing is
-clipped); ``gate_weight``: the token mean of 4 p (1 - p), the gradient's attenuation. Truncated rows count
-like any other; float32 (float64 for float64 inputs); padding never reaches arithmetic.
+clipped); ``gate_damping``: Σ (1 - 4 p (1 - p)) / N_tok over tokens with A ≠ 0, the share of the gradient the
+gate takes away (0 on-policy). Truncated rows count like any other; float32 (float64 for float64 inputs);
+padding never reaches arithmetic.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class SAPO:
 
         Returns:
             ``LossOutput``: the loss and detached step-share metrics ``policy_loss``, ``clip_fraction``
-            (always 0), ``gate_weight`` and, when ``kl_coef > 0``, ``kl``.
+            (always 0), ``gate_damping`` and, when ``kl_coef > 0``, ``kl``.
 
         Raises:
             ValueError: counts < 1, mismatched shapes, or missing ``ref_logprobs``.
@@ -113,8 +114,8 @@ class SAPO:
             kl = kl_tokens(self.kl_estimator, logp, batch.ref_logprobs, mask)
             loss = loss + self.kl_coef * aggregate(kl, mask, self.aggregation, **counts)
             metrics["kl"] = token_share(kl, mask, num_valid_tokens).detach()
-        weight = (4.0 * gate * (1.0 - gate)).detach()
+        damping = torch.where(adv != 0, 1.0 - 4.0 * gate * (1.0 - gate), torch.zeros_like(gate)).detach()
         metrics["policy_loss"] = policy_loss.detach()
         metrics["clip_fraction"] = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        metrics["gate_weight"] = token_share(weight, mask, num_valid_tokens)
+        metrics["gate_damping"] = token_share(damping, mask, num_valid_tokens)
         return LossOutput(loss=loss, metrics=metrics)

@@ -13,8 +13,9 @@ normalisation), with (k, λ) = (k_pos, λ_pos) if A_i >= 0 else (k_neg, λ_neg):
 separately for positive and negative advantages (paper: (k, λ) = (2, 3) and (3, 2)). On-policy W = 1 and
 this is token-mean REINFORCE; the loss value is not an objective estimate, its gradient is. The clamps are
 the paper code's and TRL's, and this equals TRL 1.16's ``loss_type="vespo"`` (``vespo_k_pos`` ...), whose
-aggregation is the token mean. ``clip_fraction``: 0; ``vespo_weight``: the token mean of φ. Truncated
-rows count like any other; float32 (float64 for float64 inputs); padding never reaches arithmetic.
+aggregation is the token mean. ``clip_fraction``: 0; ``vespo_damping``: Σ |1 - φ_i| / N_tok over tokens
+with A ≠ 0, how far the kernel moves the gradient's weight from 1 (0 on-policy). Truncated rows count like
+any other; float32 (float64 for float64 inputs); padding never reaches arithmetic.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class VESPO:
 
         Returns:
             ``LossOutput``: the loss and detached step-share metrics ``policy_loss``, ``clip_fraction``
-            (always 0), ``vespo_weight`` and, when ``kl_coef > 0``, ``kl``.
+            (always 0), ``vespo_damping`` and, when ``kl_coef > 0``, ``kl``.
 
         Raises:
             ValueError: counts < 1, mismatched shapes, or missing ``ref_logprobs``.
@@ -135,5 +136,6 @@ class VESPO:
             metrics["kl"] = token_share(kl, mask, num_valid_tokens).detach()
         metrics["policy_loss"] = policy_loss.detach()
         metrics["clip_fraction"] = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        metrics["vespo_weight"] = token_share(phi.expand_as(logp), mask, num_valid_tokens)
+        damping = torch.where(adv != 0, (1.0 - phi).abs(), torch.zeros_like(phi)).expand_as(logp)
+        metrics["vespo_damping"] = token_share(damping, mask, num_valid_tokens)
         return LossOutput(loss=loss, metrics=metrics)
