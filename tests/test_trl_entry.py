@@ -252,7 +252,9 @@ def test_the_bias_corrected_kl_has_the_ratios_gradient():
                                      "sapo_temperature_pos": 0.9},
                                     {"beta": 0.04, "loss_type": "luspo", "epsilon_high": 0.28},
                                     {"beta": 0.04, "use_bias_correction_kl": False, "loss_type": "luspo",
-                                     "importance_sampling_level": "sequence", "epsilon": 0.1}])
+                                     "importance_sampling_level": "sequence", "epsilon": 0.1},
+                                    {"beta": 0.04, "use_bias_correction_kl": False, "loss_type": "vespo",
+                                     "vespo_k_pos": 1.5, "vespo_lambda_neg": 2.5}])
 def test_the_loss_is_trls_compute_loss(kwargs):
     """TRL 1.16's compute_loss written out in float64 (token level, clip, KL times the ratio when
     use_bias_correction_kl, then its loss_type's aggregation): the same value and gradient, off-policy."""
@@ -273,6 +275,11 @@ def test_the_loss_is_trls_compute_loss(kwargs):
     coef_1 = torch.exp(log_ratio)
     coef_2 = coef_1.clamp(1 - args.epsilon, 1 + args.epsilon_high)
     per_token = -torch.minimum(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    if args.loss_type == "vespo":  # TRL's own Gamma weights (a static method)
+        phi = _trl().GRPOTrainer.get_gamma_weights(adv[:, None], logp.detach() - old, mask, None,
+                                                    args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+                                                    args.vespo_lambda_neg)
+        per_token = -phi * adv[:, None] * logp
     if args.loss_type == "sapo":
         tau = torch.where(adv[:, None] > 0, torch.tensor(args.sapo_temperature_pos, dtype=torch.float64),
                           torch.tensor(args.sapo_temperature_neg, dtype=torch.float64))
@@ -342,7 +349,8 @@ def test_each_refused_field_names_itself_why_and_the_nearest(name):
 
 
 @pytest.mark.parametrize("kwargs, field, words", [
-    ({"loss_type": "vespo"}, "loss_type", "issue 53"),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "importance_sampling_level", "'grpo'"),
+    ({"loss_type": "reinforce"}, "loss_type", "loss_type='dapo'"),
     ({"loss_type": "sapo", "beta": 0.04}, "beta", "use_bias_correction_kl=False"),
     ({"loss_type": "sapo", "delta": 2.0}, "delta", "loss_type='dapo'"),
     ({"loss_type": "bnpo", "gradient_accumulation_steps": 2}, "loss_type", "loss_type='dapo'"),
@@ -364,7 +372,7 @@ def test_settings_without_an_equivalent_are_refused_by_name(kwargs, field, words
 
 def test_every_problem_comes_in_one_error():
     with pytest.raises(TRLSettingError, match=r"^3 TRL setting\(s\)") as caught:
-        run(loss_type="vespo", vllm_group_port=1, log_completions=True)
+        run(loss_type="bnpo", gradient_accumulation_steps=2, vllm_group_port=1, log_completions=True)
     assert sorted(p[0] for p in caught.value.problems) == ["log_completions", "loss_type", "vllm_group_port"]
 
 

@@ -19,7 +19,8 @@ here, each with why and the nearest setting.
   :class:`~grpo_engine.losses.cispo.CISPO` (TRL caps the weight at epsilon_high, here at 1 + clip_eps_high),
   ``importance_sampling_level="sequence"`` with grpo -> :class:`~grpo_engine.losses.gspo.GSPO`, sapo ->
   :class:`~grpo_engine.losses.sapo.SAPO` (``sapo_temperature_pos`` / ``_neg``), luspo -> at sequence level
-  :class:`~grpo_engine.losses.luspo.LUSPO`, at token level the token sum over the completions.
+  :class:`~grpo_engine.losses.luspo.LUSPO`, at token level the token sum over the completions, vespo ->
+  :class:`~grpo_engine.losses.vespo.VESPO` (``vespo_k_pos`` ...).
 - The advantage: ``scale_rewards`` -> ``GroupNormalized(std_scope=..., eps=1e-4)`` (TRL's 1e-4 on the std).
 - Precision: ``bf16`` -> ``MemoryPlan(compute_dtype="bfloat16")`` over float32 weights (TRL's default
   load); where TRL would refuse (no bf16 GPU and ``use_cpu=False``) the run computes in float32, with a note.
@@ -47,6 +48,7 @@ from grpo_engine.losses.gspo import GSPO
 from grpo_engine.losses.luspo import LUSPO
 from grpo_engine.losses.sapo import SAPO
 from grpo_engine.losses.terms import RatioWeightedKL
+from grpo_engine.losses.vespo import VESPO
 from grpo_engine.memory.plan import MemoryPlan
 from grpo_engine.trl.errors import Problem, TRLSettingError, problem
 from grpo_engine.trl.fields import TRL_FIELDS
@@ -364,9 +366,9 @@ def _loss(args: Any, found: list[Problem]) -> Any:
     low, high = args.epsilon, args.epsilon_high
     weighted_kl = bool(beta) and bool(args.use_bias_correction_kl)
     tis = _importance_sampling(args, found)
-    if weighted_kl and (level == "sequence" or kind in ("cispo", "sapo")):
+    if weighted_kl and (level == "sequence" or kind in ("cispo", "sapo", "vespo")):
         found.append(problem("beta", beta, "with use_bias_correction_kl=True (TRL's default) TRL multiplies "
-                             "each token's KL by the ratio, which GSPO, CISPO and SAPO here do not",
+                             "each token's KL by the ratio, which GSPO, CISPO, SAPO, VESPO here do not",
                              "use_bias_correction_kl=False (the k3 KL of GRPO), or beta=0.0 (TRL's default)"))
     if level == "sequence":
         if kind not in ("grpo", "luspo"):
@@ -388,6 +390,10 @@ def _loss(args: Any, found: list[Problem]) -> Any:
             return None
         found += _unsupported_terms(args, "CISPO", tis)
         return CISPO(clip_eps_high=high - 1, kl_coef=beta)
+    if kind == "vespo":
+        found += _unsupported_terms(args, "VESPO", tis)
+        return VESPO(k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
+                     lambda_neg=args.vespo_lambda_neg, kl_coef=beta)
     if kind == "sapo":
         found += _unsupported_terms(args, "SAPO", tis)
         return SAPO(temperature_pos=args.sapo_temperature_pos, temperature_neg=args.sapo_temperature_neg,
@@ -435,9 +441,7 @@ def _unsupported_terms(args: Any, loss: str, tis: dict[str, Any]) -> list[Proble
             for name, used in terms.items() if used]
 
 
-_PENDING = "it is pending work (issue 53: more loss families)"
 _LOSS_WHY = {
     "bnpo": "bnpo normalises each micro-batch by its own tokens, which differs from the step's token mean "
             "when a step has several micro-batches (gradient_accumulation_steps > 1 or several processes)",
-    "vespo": f"VESPO's Gamma weighting is not implemented here; {_PENDING}",
 }

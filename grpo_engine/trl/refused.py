@@ -60,7 +60,9 @@ MAPPED: dict[str, str] = {
     "epsilon": "the loss's clip_eps_low",
     "epsilon_high": "the loss's clip_eps_high (CISPO: clip_eps_high + 1)",
     "delta": "ClippedSurrogate.delta",
-    "loss_type": "the loss: ClippedSurrogate aggregation, CISPO, SAPO, LUSPO",
+    "loss_type": "the loss: ClippedSurrogate aggregation, CISPO, SAPO, LUSPO, VESPO",
+    "vespo_k_pos": "VESPO(k_pos=...) (loss_type='vespo')", "vespo_lambda_pos": "VESPO(lambda_pos=...)",
+    "vespo_k_neg": "VESPO(k_neg=...)", "vespo_lambda_neg": "VESPO(lambda_neg=...)",
     "sapo_temperature_pos": "SAPO(temperature_pos=...) (loss_type='sapo')",
     "sapo_temperature_neg": "SAPO(temperature_neg=...) (loss_type='sapo')",
     "importance_sampling_level": "GSPO, LUSPO ('sequence')",
@@ -91,7 +93,6 @@ MAPPED: dict[str, str] = {
     "per_device_eval_batch_size": "HeldOutEval samples the eval prompts greedily in its own batches",
 }
 
-_53 = "pending work (issue 53: more loss families)"
 _NO_EVAL = ("evaluation here is HeldOutEval's greedy pass@1 every eval_steps steps",
             "eval_strategy='steps', eval_steps=N, or trainer.evaluate(prompts) on the native trainer")
 _SPEED = "the native trainer builds its own data pipeline and process group"
@@ -135,10 +136,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     "vllm_importance_sampling_clip_min": ("the correction caps the ratio from above only",
                                           "vllm_importance_sampling_clip_max"),
     # -- the loss ---------------------------------------------------------------------------------
-    "vespo_k_pos": (f"VESPO is {_53}", "loss_type='grpo', importance_sampling_level='sequence' (GSPO)"),
-    "vespo_lambda_pos": (f"VESPO is {_53}", "loss_type='grpo', importance_sampling_level='sequence' (GSPO)"),
-    "vespo_k_neg": (f"VESPO is {_53}", "loss_type='grpo', importance_sampling_level='sequence' (GSPO)"),
-    "vespo_lambda_neg": (f"VESPO is {_53}", "loss_type='grpo', importance_sampling_level='sequence' (GSPO)"),
     "multi_objective_aggregation": ("rewards are summed by weight, then normalised (TRL's default)",
                                     "'sum_then_normalize'"),
     "off_policy_mask_threshold": ("there is no off-policy sequence mask", "num_iterations=1 (on-policy)"),
