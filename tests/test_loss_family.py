@@ -635,3 +635,15 @@ def test_built_by_name_from_a_run_file_and_the_command_line(yaml_loss, cli_set, 
             f"rewards: [{{class: grpo_engine.rewards.MathAccuracy}}]\nloss: {yaml_loss}\n")
     spec = RunSpec.model_validate(_overridden(load_yaml(text), [cli_set]))
     assert build(spec.loss) == want
+
+
+@pytest.mark.parametrize("fn", list(family()), ids=repr)
+def test_a_trainer_gradient_pass_runs_and_never_waits_for_the_device(tmp_path, monkeypatch, fn):
+    """Each loss in the real trainer's gradient pass (tiny model, off-policy, with a reference): finite
+    gradients, and no micro-batch reads a value back from the device."""
+    from tests.test_host_sync import PLANS, make_trainer, micro_batch_syncs
+
+    trainer = make_trainer(tmp_path, memory=PLANS["tiled, shared prompt"], loss=fn)
+    assert micro_batch_syncs(trainer, monkeypatch) == []
+    grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
