@@ -161,6 +161,13 @@ def test_num_iterations_divides_trls_step_counts():
             warmup_steps=0.1)  # 2 prompts a step: 5 a epoch, 10 in all; a warm-up of 10% is 1 step
     assert (r.config.max_steps, r.schedule.warmup_steps) == (10, 1)
     assert run(logging_steps=0.25, max_steps=40).config.log_every_steps == 10
+    epochs = run(num_prompts=10, num_generations=4, per_device_train_batch_size=8, num_iterations=2,
+                 save_strategy="epoch", logging_strategy="epoch", eval_strategy="epoch")
+    c = epochs.config
+    assert (c.save_every_steps, c.log_every_steps, epochs.eval_every_steps) == (5, 5, 5)
+    assert run(logging_strategy="no", max_steps=7).config.log_every_steps == 8  # never
+    with pytest.raises(TRLSettingError, match="save_strategy='epoch': an epoch has no length here"):
+        run(num_prompts=None, max_steps=5, save_strategy="epoch")
 
 
 def test_a_model_object_trains_in_its_own_dtype_and_ignores_the_loading_settings():
@@ -358,7 +365,7 @@ def test_each_refused_field_names_itself_why_and_the_nearest(name):
     ({"beta": 0.04, "loss_type": "cispo", "epsilon_high": 5.0}, "beta", "use_bias_correction_kl=False"),
     ({"importance_sampling_level": "sequence"}, "importance_sampling_level", "loss_type='grpo'"),
     ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type", "'linear'"),
-    ({"optim": "sgd"}, "optim", "adamw_torch"), ({"save_strategy": "epoch"}, "save_strategy", "'steps'"),
+    ({"optim": "sgd"}, "optim", "adamw_torch"), ({"save_strategy": "best"}, "save_strategy", "'steps'"),
     ({"report_to": "mlflow"}, "report_to", "tensorboard"),
     ({"max_completion_length": None}, "max_completion_length", "512"),
     ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model_init_kwargs", "'dtype'"),

@@ -136,6 +136,7 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
     prompts_per_step = args.generation_batch_size // args.num_generations
     found += _batch_problems(args, given)
     trl_steps = _trl_steps(args, num_prompts, prompts_per_step, found)
+    epoch = max(1, num_prompts // prompts_per_step) if num_prompts is not None else None  # native steps
     steps = max(1, math.ceil(trl_steps / mu))
     memory, notes = _memory(args, device_bf16, lora, quantization, model_dtype, found)
     loss = _loss(args, found)
@@ -151,23 +152,18 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
         weight_decay=args.weight_decay, adam_betas=(args.adam_beta1, args.adam_beta2),
         adam_eps=args.adam_epsilon, max_grad_norm=args.max_grad_norm or None, seed=args.seed,
         output_dir=args.output_dir, progress_bar=not args.disable_tqdm,
-        log_every_steps=_every(args, "logging_steps", trl_steps, mu, found),
-        save_every_steps=_saving(args, trl_steps, mu, found),
+        log_every_steps=_period(args, "logging", trl_steps, mu, epoch, found) or steps + 1,
+        save_every_steps=_period(args, "save", trl_steps, mu, epoch, found),
         keep_last_checkpoints=args.save_total_limit or None, report_to=_report_to(args, found),
         max_turns=(args.max_tool_calling_iterations + 1 if args.max_tool_calling_iterations is not None
                    else max(2, args.max_completion_length or 2)))
     schedule = _schedule(args, steps, trl_steps, mu, found)
     native["warmup_steps"] = schedule.warmup_steps if native["lr_schedule"] != "constant" else 0
-    eval_every = (_every(args, "eval_steps", trl_steps, mu, found)
-                  if str(args.eval_strategy) == "steps" else None)
+    eval_every = _period(args, "eval", trl_steps, mu, epoch, found)
     if str(args.hub_strategy) not in ("every_save", "end"):
         found.append(problem("hub_strategy", str(args.hub_strategy), "checkpoints are not pushed: the hub "
                              "layout is pushed at the end of train() and by save_model / push_to_hub",
                              "hub_strategy='end'"))
-    if str(args.eval_strategy) not in ("no", "steps"):
-        found.append(problem("eval_strategy", str(args.eval_strategy), "evaluation runs every eval_steps "
-                             "steps here (HeldOutEval), never per epoch",
-                             "eval_strategy='steps', eval_steps=N"))
     if found:
         raise TRLSettingError(found)
     scale = {"group": "group", "batch": "batch", "none": "none"}[args.scale_rewards]
@@ -250,16 +246,21 @@ def _every(args: Any, name: str, trl_steps: int, mu: int, found: list[Problem]) 
     return max(1, math.ceil(steps / mu))
 
 
-def _saving(args: Any, trl_steps: int, mu: int, found: list[Problem]) -> int | None:
-    strategy = str(args.save_strategy)
+def _period(args: Any, kind: str, trl_steps: int, mu: int, epoch: int | None, found: list[Problem]
+            ) -> int | None:
+    """``{kind}_strategy`` (``logging``, ``save``, ``eval``) as native steps: ``"steps"`` every
+    ``{kind}_steps``, ``"epoch"`` every epoch's batches, ``"no"`` None."""
+    strategy = str(getattr(args, f"{kind}_strategy"))
     if strategy == "no":
         return None
+    if strategy == "epoch" and epoch is not None:
+        return epoch
     if strategy != "steps":
-        found.append(problem("save_strategy", strategy, "checkpoints are written every save_steps steps here "
-                             "(and final/ at the end), never per epoch or on the best metric",
-                             "save_strategy='steps', save_steps=N"))
+        why = ("an epoch has no length here: the dataset is a stream" if strategy == "epoch" else
+               "checkpoints are kept by step here, not by a metric")
+        found.append(problem(f"{kind}_strategy", strategy, why, f"{kind}_strategy='steps', {kind}_steps=N"))
         return None
-    return _every(args, "save_steps", trl_steps, mu, found)
+    return _every(args, f"{kind}_steps", trl_steps, mu, found)
 
 
 def _report_to(args: Any, found: list[Problem]) -> list[str]:

@@ -339,8 +339,8 @@ def _argument_problems(args: GRPOConfig, reward_funcs: Any, train_dataset: Any, 
     if isinstance(eval_dataset, dict):
         found.append(problem("eval_dataset", "a dict of datasets", "HeldOutEval evaluates one dataset",
                              "eval_dataset=one datasets.Dataset"))
-    if str(args.eval_strategy) == "steps" and eval_dataset is None:
-        found.append(problem("eval_strategy", "steps", "evaluation needs an eval_dataset",
+    if str(args.eval_strategy) != "no" and eval_dataset is None:
+        found.append(problem("eval_strategy", str(args.eval_strategy), "evaluation needs an eval_dataset",
                              "pass eval_dataset, or eval_strategy='no'"))
     other = [type(c).__name__ for c in callbacks or [] if not isinstance(c, Callback)]
     if other:
