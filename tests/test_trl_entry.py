@@ -379,8 +379,9 @@ def test_settings_without_an_equivalent_are_refused_by_name(kwargs, field, words
 
 def test_every_problem_comes_in_one_error():
     with pytest.raises(TRLSettingError, match=r"^3 TRL setting\(s\)") as caught:
-        run(loss_type="bnpo", gradient_accumulation_steps=2, vllm_group_port=1, log_completions=True)
-    assert sorted(p[0] for p in caught.value.problems) == ["log_completions", "loss_type", "vllm_group_port"]
+        run(loss_type="bnpo", gradient_accumulation_steps=2, vllm_group_port=1, log_unique_prompts=True)
+    assert sorted(p[0] for p in caught.value.problems) == ["log_unique_prompts", "loss_type",
+                                                           "vllm_group_port"]
 
 
 def test_the_constructor_takes_every_parameter_of_trls():
@@ -443,6 +444,17 @@ def test_resume_from_checkpoint_continues_the_run_exactly(tiny_folder, tmp_path)
     assert out.metrics["lr"] == whole.metrics["lr"] == pytest.approx(1e-3 / 2)  # linear: (3 - 2) / (3 - 1)
     assert out.metrics["loss"] == pytest.approx(whole.metrics["loss"], abs=1e-7)
     assert out.metrics["reward/mean"] == whole.metrics["reward/mean"]
+
+
+def test_log_completions_writes_the_steps_completions(tiny_folder, tmp_path):
+    args = _args(tmp_path, max_steps=2, log_completions=True, num_completions_to_print=1)  # logging_steps=1
+    data = Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"]})
+    GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data).train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 1, 2, 2]
+    assert rows[0]["prompt"] in ("Sum 1 and 2", "Sum 3 and 4")
+    for row in rows:
+        assert row["reward"] == row["_reward_len"] == -abs(20 - len(row["completion"]))
 
 
 def test_eval_dataset_is_evaluated_every_eval_steps_and_save_model_writes_the_policy(tiny_folder, tmp_path):

@@ -40,6 +40,7 @@ from grpo_engine.rewards.function import FunctionReward
 from grpo_engine.sampling.vllm import VLLMSampler
 from grpo_engine.sampling.vllm_server import VLLMServerSampler
 from grpo_engine.trainer import GRPOTrainer as NativeTrainer
+from grpo_engine.trl.completions import CompletionLog
 from grpo_engine.trl.config import GRPOConfig
 from grpo_engine.trl.errors import Problem, problem
 from grpo_engine.trl.hub import model_card, push_folder
@@ -130,9 +131,11 @@ class GRPOTrainer:
         held_out = ([HeldOutEval(to_prompts(eval_dataset, name="eval_dataset"),
                                  every_steps=self.run.eval_every_steps)]
                     if self.run.eval_every_steps is not None else [])
+        logged = ([CompletionLog(self.run.config.log_every_steps, args.output_dir,
+                                 args.num_completions_to_print)] if args.log_completions else [])
         self.build = dict(model=model, rewards=_rewards(reward_funcs, args.reward_weights),
                           prompts=train_dataset, tokenizer=processing_class,
-                          callbacks=[*(callbacks or []), *held_out],
+                          callbacks=[*(callbacks or []), *held_out, *logged],
                           tools=tuple(tools or ()), environment_factory=environment_factory)
         self.eval_dataset = eval_dataset
         self.native = build_native(self.run, self.build, resume_from=None)
