@@ -85,17 +85,19 @@ class SingleProcess:
 
 
 def trl_loss(loss_type, lp, mask, adv, old, ref=None, *, beta=0.0, level="token", accumulation=1,
-             num_items=None, epsilon=0.2, epsilon_high=None, trainer_cls=None, **args):
+             num_items=None, epsilon=0.2, epsilon_high=None, trainer_cls=None, is_ratio=None, **args):
     """TRL's ``_compute_loss`` on one micro-batch; ``args`` are GRPOConfig fields it reads from ``self.args``
-    (sapo_temperature_pos, vespo_k_pos, ...). ``lp``/``old``/``ref`` must be finite on padding."""
+    (sapo_temperature_pos, vespo_k_pos, ...). ``lp``/``old``/``ref`` must be finite on padding. ``is_ratio``:
+    the vLLM importance-sampling ratio TRL's generation step would pass (turns its correction on)."""
     trainer = object.__new__(trainer_cls or trl_grpo.GRPOTrainer)
     mask = torch.as_tensor(mask).long()
     n, width = mask.shape
     vars(trainer).update(
         loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=epsilon,
         epsilon_high=epsilon if epsilon_high is None else epsilon_high,
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, aux_loss_enabled=False, use_vllm=False,
-        vllm_importance_sampling_correction=False, max_completion_length=width,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, aux_loss_enabled=False,
+        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
+        max_completion_length=width,
         current_gradient_accumulation_steps=accumulation, accelerator=SingleProcess(),
         model=SimpleNamespace(training=True), _metrics={"train": defaultdict(list)}, entropy_coef=0.0,
         _entropy_bonus_enabled=False, use_adaptive_entropy=False,
@@ -109,12 +111,17 @@ def trl_loss(loss_type, lp, mask, adv, old, ref=None, *, beta=0.0, level="token"
                  advantages=torch.as_tensor(adv, dtype=lp.dtype), old_per_token_logps=old,
                  ref_per_token_logps=ref,
                  num_items_in_batch=torch.tensor(int(mask.sum()) if num_items is None else num_items))
+    if is_ratio is not None:
+        batch["importance_sampling_ratio"] = is_ratio
     return trainer._compute_loss(None, batch)
 
 
-def against_trl(ours, trl_type, case, micro_batch_size, **trl_kwargs):
+def against_trl(ours, trl_type, case, micro_batch_size, *, sampler=None, is_ratio=None, **trl_kwargs):
     """Loss and gradient of ours and of TRL over micro-batches of ``micro_batch_size`` rows of an 8-row case
-    (TRL: gradient accumulation 8 / size, num_items the whole step's tokens)."""
+    (TRL: gradient accumulation 8 / size, num_items the whole step's tokens); ``sampler`` [8, C] goes to ours
+    as ``MicroBatch.sampler_logprobs``, ``is_ratio`` [8, C] to TRL as its vLLM importance-sampling ratio."""
+    from grpo_engine.types import MicroBatch
+
     _, lp, mask, adv, old, ref = case
     zero = torch.zeros((), dtype=torch.float64)
     lp, old, ref = (torch.where(mask, x.detach(), zero) for x in (lp, old, ref))
@@ -123,12 +130,15 @@ def against_trl(ours, trl_type, case, micro_batch_size, **trl_kwargs):
     for side in ("ours", "trl"):
         x, total = lp.clone().requires_grad_(), 0
         for s in (slice(i, i + micro_batch_size) for i in range(0, 8, micro_batch_size)):
-            if side == "ours":
+            if side == "ours" and sampler is not None:
+                batch = MicroBatch(mask[s], adv[s], old[s], ref[s], sampler_logprobs=sampler[s])
+                total = total + ours(x[s], batch, num_valid_tokens=counts[0], num_sequences=counts[1]).loss
+            elif side == "ours":
                 total = total + call(ours, x[s], mask[s], adv[s], old[s], ref[s], counts=counts).loss
             else:
                 total = total + trl_loss(trl_type, x[s], mask[s], adv[s], old[s], ref[s],
                                          accumulation=8 // micro_batch_size, num_items=int(mask.sum()),
-                                         **trl_kwargs)
+                                         is_ratio=None if is_ratio is None else is_ratio[s], **trl_kwargs)
         total.backward()
         results.append((total.detach(), x.grad))
     (loss, grad), (trl_value, trl_grad) = results
@@ -482,7 +492,7 @@ def test_luspo_equals_trl(ours, trl_kwargs, case, micro_batch_size):
 # -- VESPO ---------------------------------------------------------------------------------------
 
 def vespo_reference(lp, old, ref, adv, mask, *, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0, agg="token",
-                    max_len=None, kl_coef=0.0, est="k3"):
+                    max_len=None, kl_coef=0.0, est="k3", sampler=None, cap=None, mode="token_truncate"):
     """VESPO, arXiv 2602.10693 (App. I): W = Π_t ρ_t (log clamped as the paper's code does),
     φ = W^k e^(λ(1 - W)), ℓ_t = -sg[φ]·A·log π_t; ∂ℓ_t/∂log π_t = -φ·A."""
     lp, old, ref, adv, mask = lists(lp, old, ref, adv, mask)
@@ -490,7 +500,12 @@ def vespo_reference(lp, old, ref, adv, mask, *, k_pos=2.0, lam_pos=3.0, k_neg=3.
     loss, grad = 0.0, [[0.0] * len(row) for row in mask]
     for i, row in enumerate(mask):
         idx = [t for t, keep in enumerate(row) if keep]
-        log_w = clamp(sum(clamp(lp[i][t] - old[i][t], -20, 20) for t in idx), math.log(1e-8), 20)
+        log_w = sum(clamp(lp[i][t] - old[i][t], -20, 20) for t in idx)
+        for t in idx if sampler is not None else ():
+            r = E(old[i][t] - sampler[i][t])
+            r = min(r, cap) if mode == "token_truncate" else (0.0 if r > cap else r)
+            log_w += clamp(math.log(r) if r > 0 else -math.inf, math.log(1e-8), 20)
+        log_w = clamp(log_w, math.log(1e-8), 20)
         w = E(log_w)
         k, lam = (k_pos, lam_pos) if adv[i] >= 0 else (k_neg, lam_neg)
         phi = w**k * E(lam * (1 - w))
@@ -544,6 +559,53 @@ def test_vespo_matches_naive_reference(case, kwargs):
 ], ids=repr)
 def test_vespo_equals_trl(ours, trl_kwargs, case, micro_batch_size):
     against_trl(ours, "vespo", case, micro_batch_size, **trl_kwargs)
+
+
+def sampler_logprobs(case, seed=11):
+    """The case's π_old shifted per token by N(0, 0.6²) and, on a few tokens, by ±3: the sampler's log-probs,
+    so that π_old/π_sampler crosses a cap of 1.5 on both sides."""
+    _, lp, mask, adv, old, ref = case
+    g = torch.Generator().manual_seed(seed)
+    shift = 0.6 * torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    jump = torch.rand(mask.shape, generator=g, dtype=torch.float64) < 0.15
+    shift = torch.where(jump, 3.0 * shift.sign(), shift)
+    return torch.where(mask, old - shift, old)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+def test_vespo_sampler_correction_matches_naive_reference(case, mode):
+    from grpo_engine.types import MicroBatch
+
+    fn = VESPO(tis_cap=1.5, tis_mode=mode, kl_coef=0.1)
+    assert fn.requires.sampler_logprobs and not VESPO().requires.sampler_logprobs
+    sampler = sampler_logprobs(case)
+    _, lp, mask, adv, old, ref = case
+    lp = lp.detach().clone().requires_grad_()
+    out = fn(lp, MicroBatch(mask, adv, old, ref, sampler_logprobs=sampler), num_valid_tokens=int(mask.sum()),
+             num_sequences=mask.shape[0])
+    out.loss.backward()
+    want, grad = vespo_reference(lp, old, ref, adv, mask, kl_coef=0.1, sampler=sampler, cap=1.5, mode=mode)
+    assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all()
+    assert out.loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(lp.grad, grad, **TOL)
+    with pytest.raises(ValueError, match=r"VESPO: tis_cap=1.5 needs batch.sampler_logprobs"):
+        call(fn, lp, mask, adv, old, ref)
+
+
+@pytest.mark.parametrize("case", EIGHT_ROW_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("micro_batch_size", [8, 2])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+def test_vespo_sampler_correction_equals_trl_vllm_importance_sampling(case, mode, micro_batch_size):
+    """TRL with use_vllm: its generation step's ratio exp(old - sampler), truncated (clamp at clip_max) or
+    masked (0 above it), then its own get_gamma_weights and _compute_loss."""
+    sampler = sampler_logprobs(case)
+    _, lp, mask, adv, old, ref = case
+    ratio = torch.exp(torch.where(mask, old - sampler, 0.0))
+    ratio = ratio.clamp(max=1.5) if mode == "token_truncate" else ratio.masked_fill(ratio > 1.5, 0.0)
+    assert (ratio[mask] == (1.5 if mode == "token_truncate" else 0.0)).any()  # the cap acts
+    against_trl(VESPO(tis_cap=1.5, tis_mode=mode), "vespo", case, micro_batch_size, sampler=sampler,
+                is_ratio=ratio, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
 
 
 # -- shared properties ----------------------------------------------------------------------------
@@ -611,6 +673,8 @@ def test_gradcheck(fn):
     (DPPO, dict(delta_high=-1.0), r"delta_high=-1.0 must be >= 0"),
     (LUSPO, dict(clip_eps_high=-1.0), r"clip_eps_high=-1.0 must be >= 0"),
     (VESPO, dict(k_neg=-1.0, lambda_pos=0.0), r"k_neg=-1.0 must be >= 0.*lambda_pos=0.0 must be > 0"),
+    (VESPO, dict(tis_cap=0.0, tis_mode="sequence_mask"),
+     r"tis_cap=0.0 must be > 0.*tis_mode='sequence_mask'"),
 ])
 def test_constructor_validation(cls, kwargs, message):
     with pytest.raises(ValueError, match=message):
