@@ -438,6 +438,8 @@ def test_resume_from_checkpoint_continues_the_run_exactly(tiny_folder, tmp_path)
     args = _args(tmp_path, max_steps=3, save_steps=1, learning_rate=1e-3, warmup_steps=1)
     first = GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data)
     whole = first.train()
+    with pytest.raises(FileExistsError, match=r"train\(resume_from_checkpoint=True\) continues that run"):
+        GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data).train()  # TRL writes over it
     resumed = GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data)
     out = resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert out.global_step == 3 and resumed.native.scheduler.last_epoch == 3

@@ -183,7 +183,11 @@ class GRPOTrainer:
             self.native = None  # the first trainer's model and reference go before the resumed one loads
             gc.collect()
             self.native = build_native(self.run, build, resume_from=where)
-        history = self.native.train()
+        try:
+            history = self.native.train()
+        except FileExistsError as error:  # TRL writes over a used output_dir; the native trainer refuses
+            raise FileExistsError(f"{error}. With TRL's entry: trainer.train(resume_from_checkpoint=True) "
+                                  "continues that run") from error
         if self.args.push_to_hub:  # TRL pushes at each save (hub_strategy 'every_save'): here, the last
             self.push_to_hub(commit_message="End of training")
         losses = [m["loss"] for m in history if "loss" in m]
