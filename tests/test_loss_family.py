@@ -701,7 +701,7 @@ def test_built_by_name_from_a_run_file_and_the_command_line(yaml_loss, cli_set, 
     assert build(spec.loss) == want
 
 
-@pytest.mark.parametrize("fn", list(family()), ids=repr)
+@pytest.mark.parametrize("fn", list(family())[1::2], ids=repr)  # one of each, its second (KL) setting
 def test_a_trainer_gradient_pass_runs_and_never_waits_for_the_device(tmp_path, monkeypatch, fn):
     """Each loss in the real trainer's gradient pass (tiny model, off-policy, with a reference): finite
     gradients, and no micro-batch reads a value back from the device."""
