@@ -114,7 +114,7 @@ def test_an_unknown_keyword_is_a_type_error_and_trls_own_checks_hold():
     assert GRPOConfig("out").output_dir == "out" and GRPOConfig().output_dir == "trainer_output"
 
 
-def run(num_prompts=100, context=256, device_bf16=False, **kwargs):
+def run(num_prompts=100, context=4096, device_bf16=False, **kwargs):
     return native_run(GRPOConfig(**kwargs), num_prompts=num_prompts, context_tokens=context,
                       device_bf16=device_bf16)
 
@@ -127,7 +127,7 @@ def test_trls_defaults_become_these_native_settings():
     assert (c.learning_rate, c.adam_betas, c.adam_eps, c.weight_decay, c.max_grad_norm, c.seed) == (
         1e-6, (0.9, 0.999), 1e-8, 0.0, 1.0, 42)
     assert (c.log_every_steps, c.save_every_steps, c.max_completion_tokens, c.max_prompt_tokens) == (
-        10, 500, 64, 192)
+        10, 500, 64, 4096 - 64)
     assert (c.lr_schedule, c.overlong_prompts, c.report_to, c.output_dir) == ("linear", "error", [],
                                                                               "trainer_output")
     assert m.gradient_checkpointing and m.compute_dtype is None and m.dtype == "float32"  # no bf16 GPU here
@@ -173,7 +173,7 @@ def test_num_iterations_divides_trls_step_counts():
 def test_a_model_object_trains_in_its_own_dtype_and_ignores_the_loading_settings():
     """TRL trains a model passed in as it is and warns that model_init_kwargs and quantization_config
     (which apply to a name) are ignored."""
-    r = native_run(GRPOConfig(model_init_kwargs={"dtype": "float16"}), num_prompts=8, context_tokens=64,
+    r = native_run(GRPOConfig(model_init_kwargs={"dtype": "float16"}), num_prompts=8, context_tokens=4096,
                    device_bf16=True, model_dtype="bfloat16", quantization=object())
     assert (r.memory.dtype, r.memory.compute_dtype, r.memory.quantization) == ("bfloat16", None, None)
     assert [note.split(" is ")[0] for note in r.notes] == ["model_init_kwargs", "quantization_config"]
@@ -187,18 +187,18 @@ def test_a_4_bit_nf4_base_under_peft_is_qlora():
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)
-    r = native_run(GRPOConfig(bf16=False), num_prompts=8, context_tokens=64, device_bf16=True, lora=lora,
+    r = native_run(GRPOConfig(bf16=False), num_prompts=8, context_tokens=4096, device_bf16=True, lora=lora,
                    quantization=nf4)
     assert (r.memory.quantization, r.memory.dtype, r.memory.compute_dtype, r.memory.lora.r) == (
         "nf4", "bfloat16", None, 8)
     assert not r.notes
     single = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
-    assert "quantised twice" in native_run(GRPOConfig(bf16=False), num_prompts=8, context_tokens=64,
+    assert "quantised twice" in native_run(GRPOConfig(bf16=False), num_prompts=8, context_tokens=4096,
                                            device_bf16=False, lora=lora, quantization=single).notes[0]
     for quantization, peft in ((nf4, None), (BitsAndBytesConfig(load_in_8bit=True), lora)):
         with pytest.raises(TRLSettingError, match=r"quantization_config='BitsAndBytesConfig': a 4-bit base"):
-            native_run(GRPOConfig(bf16=False), num_prompts=8, context_tokens=64, device_bf16=False, lora=peft,
-                       quantization=quantization)
+            native_run(GRPOConfig(bf16=False), num_prompts=8, context_tokens=4096, device_bf16=False,
+                       lora=peft, quantization=quantization)
 
 
 def test_bookkeeping_settings_carry_over():
@@ -272,7 +272,7 @@ def test_the_loss_is_trls_compute_loss(kwargs):
     ref = old + 0.2 * torch.randn(2, 3, dtype=torch.float64)
     adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
     args = GRPOConfig(max_completion_length=3, bf16=False, **kwargs)
-    loss_fn = native_run(args, num_prompts=8, context_tokens=64, device_bf16=False).loss
+    loss_fn = native_run(args, num_prompts=8, context_tokens=4096, device_bf16=False).loss
     batch = MicroBatch(completion_mask=mask, advantages=adv, old_logprobs=old, ref_logprobs=ref)
     ours = loss_fn(logp, batch, num_valid_tokens=5, num_sequences=2).loss
     (grad,) = torch.autograd.grad(ours, logp)
@@ -402,7 +402,7 @@ def _reward_len(completions, **kwargs):
 def test_trainer_arguments_without_an_equivalent_are_refused(argument, value, tiny_folder, tmp_path):
     kwargs = {"reward_funcs": _reward_len, argument: value}
     with pytest.raises(TRLSettingError) as caught:
-        GRPOTrainer(str(tiny_folder), args=GRPOConfig(str(tmp_path), bf16=False),
+        GRPOTrainer(str(tiny_folder), args=GRPOConfig(str(tmp_path), bf16=False, max_completion_length=8),
                     train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), **kwargs)
     assert [p[0] for p in caught.value.problems] == [argument] and "nearest" in str(caught.value)
 
@@ -446,6 +446,21 @@ def test_resume_from_checkpoint_continues_the_run_exactly(tiny_folder, tmp_path)
     assert out.metrics["lr"] == whole.metrics["lr"] == pytest.approx(1e-3 / 2)  # linear: (3 - 2) / (3 - 1)
     assert out.metrics["loss"] == pytest.approx(whole.metrics["loss"], abs=1e-7)
     assert out.metrics["reward/mean"] == whole.metrics["reward/mean"]
+
+
+def test_a_prompt_over_the_context_is_named_in_trls_terms(tiny_folder, tmp_path):
+    """The tiny model's context is 256 tokens: 200 for completions leave 56 for a prompt."""
+    from grpo_engine.data.errors import DataError
+
+    data = Dataset.from_dict({"prompt": ["Sum 1 and 2", "x" * 100]})
+    args = _args(tmp_path, max_steps=1)
+    args.max_completion_length = 200
+    with pytest.raises(DataError, match=r"100 tokens > max_prompt_tokens=56.*With TRL's entry prompts are "
+                                        r"never cut.*max_completion_length=200 \(56 tokens\)"):
+        GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data)
+    args.max_completion_length = 256
+    with pytest.raises(TRLSettingError, match="max_completion_length=256: the model's context is 256 tokens"):
+        GRPOTrainer(str(tiny_folder), _reward_len, args, train_dataset=data)
 
 
 def test_log_completions_writes_the_steps_completions(tiny_folder, tmp_path):

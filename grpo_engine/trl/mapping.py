@@ -143,6 +143,10 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
     vllm = _vllm(args, found, notes) if args.use_vllm else None
     if vllm is not None and args.vllm_max_model_length is not None:
         context_tokens = args.vllm_max_model_length  # TRL's context for vLLM: prompt and completion
+    if context_tokens is not None and (args.max_completion_length or 0) >= context_tokens:
+        found.append(problem("max_completion_length", args.max_completion_length, f"the model's context is "
+                             f"{context_tokens} tokens, which leaves no room for a prompt",
+                             f"max_completion_length below {context_tokens}"))
     native = dict(
         prompts_per_step=prompts_per_step, group_size=args.num_generations, updates_per_batch=mu,
         max_completion_tokens=args.max_completion_length or 1, max_steps=steps,

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from grpo_engine.callbacks import Callback, HeldOutEval, TrainerState
+from grpo_engine.data.errors import DataError
 from grpo_engine.data.records import to_prompts
 from grpo_engine.models import load_model
 from grpo_engine.rewards.function import FunctionReward
@@ -138,7 +139,15 @@ class GRPOTrainer:
                           callbacks=[*(callbacks or []), *held_out, *logged],
                           tools=tuple(tools or ()), environment_factory=environment_factory)
         self.eval_dataset = eval_dataset
-        self.native = build_native(self.run, self.build, resume_from=None)
+        try:
+            self.native = build_native(self.run, self.build, resume_from=None)
+        except DataError as error:
+            if "max_prompt_tokens" not in str(error):
+                raise
+            raise DataError(f"{error}. With TRL's entry prompts are never cut, and the limit is the model's "
+                            f"context less max_completion_length={args.max_completion_length} "
+                            f"({self.run.config.max_prompt_tokens} tokens): shorten those prompts or lower "
+                            "max_completion_length") from error
 
     @property
     def model(self) -> nn.Module:
