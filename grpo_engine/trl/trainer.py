@@ -2,22 +2,23 @@
 
 Every parameter of ``trl.GRPOTrainer.__init__`` is accepted by name. ``model`` (a name, a folder or a model),
 ``reward_funcs`` (functions, weighted by ``args.reward_weights``), ``train_dataset``, ``eval_dataset`` (with
-``eval_strategy="steps"``: :class:`~grpo_engine.callbacks.HeldOutEval` every ``eval_steps``),
+``eval_strategy`` ``"steps"`` or ``"epoch"``: :class:`~grpo_engine.callbacks.HeldOutEval`),
 ``processing_class`` (the tokenizer), ``callbacks`` (``grpo_engine.callbacks.Callback`` objects),
 ``peft_config`` (a peft ``LoraConfig``), ``quantization_config`` (a 4-bit NF4 base under it: QLoRA),
 ``tools`` and ``environment_factory`` carry over; a value with no equivalent (a reward model by name, a
 ``transformers.TrainerCallback``, ``optimizers``, ``rollout_func``, ``reward_processing_classes``) is
-refused with the config's refusals, in one :class:`~grpo_engine.trl.mapping.TRLSettingError`.
+refused with the config's refusals, in one :class:`~grpo_engine.trl.errors.TRLSettingError`.
 
-The learning rate follows TRL's schedule (``transformers.get_scheduler`` with TRL's warm-up rule) in place
-of the native one. ``train(resume_from_checkpoint=True | path)`` rebuilds the native trainer with
-``resume_from`` (the native exact resume); ``save_model`` writes the policy (the adapter under LoRA) and the
-tokenizer with ``save_pretrained``, as TRL's does (``evaluate``, ``log_metrics``, ``save_metrics`` and
-``save_state`` too); ``push_to_hub`` (and ``args.push_to_hub``) writes the hub
-layout to ``output_dir`` and uploads it (:mod:`grpo_engine.trl.hub`). ``native`` is the native trainer, for
-everything else.
+Prompts are rendered as TRL renders them (:class:`~grpo_engine.trl.template.TRLTemplate`); the learning rate
+follows TRL's schedule (``transformers.get_scheduler`` with TRL's warm-up rule) in place of the native one;
+``use_vllm`` builds the native vLLM sampler on a policy loaded here; ``log_completions`` adds
+:class:`~grpo_engine.trl.completions.CompletionLog`. ``train(resume_from_checkpoint=True | path)`` rebuilds
+the native trainer with ``resume_from`` (the native exact resume); ``save_model`` writes the policy (the
+adapter under LoRA) and the tokenizer with ``save_pretrained``, as TRL's does (``evaluate``,
+``log_metrics``, ``save_metrics`` and ``save_state`` too); ``push_to_hub`` (and ``args.push_to_hub``) writes
+the hub layout to ``output_dir`` and uploads it (:mod:`grpo_engine.trl.hub`). ``native`` is the native
+trainer, for everything else.
 """
-
 from __future__ import annotations
 
 import gc
