@@ -12,9 +12,10 @@ split), ``dynamic_sampling`` (a dict of ``DynamicSampling`` arguments, e.g.
 ``{"max_rounds": 2}``: train only on groups with unequal rewards, sampling again to fill the
 batch), ``advantage`` (the name of a class in ``grpo_engine.advantages`` and its arguments, e.g.
 ``{"name": "GroupNormalized", "std_scope": "none"}``) and ``loss`` (``ClippedSurrogate``
-arguments, e.g. ``{"aggregation": "token"}``); both win over the recipe's ``advantage_std_scope``
-and ``loss_aggregation``. A ``lora_r`` of 0 trains every weight (no adapter). The recipe's
-``train_seconds`` does not apply (a step budget; a ``linear`` / ``cosine`` ``lr_schedule`` decays
+arguments, e.g. ``{"aggregation": "token"}``, or another loss of ``grpo_engine.losses`` by name, e.g.
+``{"name": "SAPO"}``); both win over the recipe's ``advantage_std_scope`` and ``loss_aggregation``.
+A ``lora_r`` of 0 trains every weight (no adapter). The recipe's ``train_seconds`` does not apply (a
+step budget; a ``linear`` / ``cosine`` ``lr_schedule`` decays
 over ``--steps``, from the peak the demo takes when it plans ``--steps`` steps: ``learning_rate``,
 or with a variant's ``lr_reference_steps`` and ``max_learning_rate`` the raised peak of a shorter plan).
 
@@ -30,7 +31,8 @@ standard error is ~6 points; 256 problems (the demo's since 2026-12-04) halve it
 
 The last stdout line is one JSON object: ``{variant label: {"curve": [[step, accuracy,
 demo_split, by_kind], ...], "truncated": [[step, mean truncated_fraction of the steps since the last
-point], ...], "step_s": median step seconds, "sample_s": ..., "train_s": ...}}``; with
+point], ...], "loss_metrics": {each metric the loss logs (clip or mask fractions): its mean over the
+last 10 steps}, "step_s": median step seconds, "sample_s": ..., "train_s": ...}}``; with
 ``--eval-at-training-length`` also ``"curve_training_length": [[step, accuracy], ...]``, greedy at
 ``max_completion_tokens`` (a policy that runs on past its answer is right there and wrong at 24).
 The rewards are the recipe's (``grpo_engine.demo.recipe_rewards``: ``{"finished_only": false}`` grades
@@ -65,6 +67,21 @@ def build_advantage(spec: dict):
     return getattr(advantages, name)(**arguments)
 
 
+def build_loss(spec: dict):
+    """The loss a variant names: ``{"name": class in grpo_engine.losses, **arguments}``, or without a name
+    ``ClippedSurrogate(**spec)``."""
+    from grpo_engine import losses
+
+    arguments = dict(spec)
+    name = arguments.pop("name", "ClippedSurrogate")
+    classes = [n for n in losses.__all__ if isinstance(getattr(losses, n), type) and hasattr(
+        getattr(losses, n), "counts")]
+    if name not in classes:
+        raise ValueError(f"loss name {name!r} is not a loss of grpo_engine.losses; use one of {classes}, "
+                         'e.g. {"name": "SAPO"}')
+    return getattr(losses, name)(**arguments)
+
+
 def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None, threads: int | None,
                 eval_problems: int | None = None, at_training_length: bool = False) -> dict:
     """Trains the demo recipe with ``variant`` applied; returns its accuracy curve and step times."""
@@ -74,7 +91,6 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
     from grpo_engine.data import ChatTemplate
     from grpo_engine.demo import DemoSettings, demo_task, recipe_components, recipe_rewards, smollm2_folder
     from grpo_engine.eval import greedy_accuracy
-    from grpo_engine.losses import ClippedSurrogate
     from grpo_engine.models import load_model
     from grpo_engine.rewards import MathAccuracy
     from grpo_engine.sampling import DynamicSampling
@@ -88,7 +104,7 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
     if "advantage" in variant:
         advantage = build_advantage(variant["advantage"])
     if "loss" in variant:
-        loss = ClippedSurrogate(**variant["loss"])
+        loss = build_loss(variant["loss"])
     torch.manual_seed(s.seed)
     policy, tokenizer = load_model(model or smollm2_folder())
     train, test = demo_task(dataclasses.replace(s, num_test=max(s.num_test, eval_problems or 0)))
@@ -131,8 +147,12 @@ def run_variant(variant: dict, *, steps: int, eval_every: int, model: str | None
     def median(key: str) -> float | None:
         return harness.median(m[key] for m in trainer.history)
 
-    return {"curve": curve, "truncated": truncated, "step_s": median("time/step_s"),
-            "sample_s": median("time/sample_s"), "train_s": median("time/train_s"),
+    last = trainer.history[-10:]
+    loss_metrics = {key: sum(m.get(key, 0.0) for m in last) / len(last)
+                    for key in trainer.state.loss_metric_keys if key != "loss"}
+    return {"curve": curve, "truncated": truncated, "loss_metrics": loss_metrics,
+            "step_s": median("time/step_s"), "sample_s": median("time/sample_s"),
+            "train_s": median("time/train_s"),
             **({"curve_training_length": short} if at_training_length else {})}
 
 

@@ -163,6 +163,23 @@ def test_an_advantage_that_is_not_a_class_of_the_module_is_refused(name):
         recipe_sweep.build_advantage({"name": name} if name else {})
 
 
+def test_a_loss_named_in_a_variant_is_built_and_its_metrics_reported(tiny_folder):
+    """``{"name": "SAPO"}`` builds that loss of grpo_engine.losses; the result holds the mean of each metric
+    the loss logged over the last steps (SAPO's gate damping; with a KL term, so that the tiny model's tied
+    groups still train), and an unknown name lists the losses."""
+    from grpo_engine.losses import SAPO
+
+    assert recipe_sweep.build_loss({"name": "SAPO", "temperature_neg": 2.0}) == SAPO(temperature_neg=2.0)
+    small = {"num_train": 16, "num_test": 4, "max_completion_tokens": 4, "eval_max_new_tokens": 4}
+    result = recipe_sweep.run_variant({**small, "loss": {"name": "SAPO", "kl_coef": 0.1}}, steps=2,
+                                      eval_every=2, model=str(tiny_folder), threads=1)
+    metrics = result["loss_metrics"]
+    assert {"gate_damping", "kl", "policy_loss"} <= set(metrics) and "loss" not in metrics
+    assert 0.0 <= metrics["gate_damping"] <= 1.0 and metrics["kl"] >= 0.0
+    with pytest.raises(ValueError, match=r"loss name 'SAPOO' is not a loss .*'ClippedSurrogate', 'GSPO'"):
+        recipe_sweep.build_loss({"name": "SAPOO"})
+
+
 def test_an_unknown_recipe_field_is_refused(tiny_folder):
     with pytest.raises(TypeError, match="temprature"):
         recipe_sweep.run_variant({"temprature": 0.8}, steps=1, eval_every=1, model=str(tiny_folder),
