@@ -19,6 +19,7 @@ adapter under LoRA) and the tokenizer with ``save_pretrained``, as TRL's does (`
 the hub layout to ``output_dir`` and uploads it (:mod:`grpo_engine.trl.hub`). ``native`` is the native
 trainer, for everything else.
 """
+
 from __future__ import annotations
 
 import gc
