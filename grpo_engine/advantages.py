@@ -6,6 +6,8 @@
 - ``RLOO`` (arXiv 2402.14740): r minus the mean of the other G - 1 rewards, = G/(G-1) · (r - mean_g r).
 - ``ReinforcePlusPlusBaseline`` (REINFORCE++-baseline, arXiv 2501.03262): a = r - mean_g r, whitened
   over the B * G completions, each counted once: A = (a - mean a) / (std a + eps).
+- ``MaxRL`` (Maximum Likelihood RL, arXiv 2602.02710): A = (r - mean_g r) / (mean_g r + eps) for binary
+  rewards, the gradient of log pass-rate instead of pass-rate.
 - ``EntropyScaled`` (SEED-GRPO, arXiv 2505.12346): a base advantage times f(strength · u_b), f
   decreasing with f(0) = 1, u_b the group's normalised semantic entropy (the ``uncertainty``).
 
@@ -29,7 +31,7 @@ from grpo_engine.ops.groups import check_eps, zero_std_fraction, zero_where
 from grpo_engine.protocols import AdvantageFn
 
 __all__ = [
-    "GroupNormalized", "MeanBaseline", "RLOO", "ReinforcePlusPlusBaseline", "EntropyScaled",
+    "GroupNormalized", "MeanBaseline", "RLOO", "ReinforcePlusPlusBaseline", "MaxRL", "EntropyScaled",
     "zero_std_fraction",
 ]
 
@@ -165,6 +167,49 @@ class ReinforcePlusPlusBaseline:
         centered = zero_where(equal, centered)
         whitened = (centered - centered.mean()) / (centered.std(correction=1) + self.eps)
         return zero_where(equal, whitened)
+
+
+@dataclass(frozen=True)
+class MaxRL:
+    """MaxRL advantages (Tajwar et al., "Maximum Likelihood Reinforcement Learning", arXiv 2602.02710):
+
+    A_bg = (r_bg - mean_g r_b) / (mean_g r_b + eps),
+
+    for rewards r in [0, 1] (binary: correct or not). With K of the G completions correct, p̂ = K / G, a
+    correct one gets 1/p̂ - 1 and a wrong one -1, so Σ_g A_bg ∇log π(o_bg) / G is an unbiased estimate of
+    ∇log p(correct) = ∇p / p (the maximum-likelihood gradient, minus a zero-mean baseline) instead of
+    GRPO's ∇p: a prompt solved 1 time in 16 pulls 16 times harder than one solved every other time,
+    with no 1/std. A group that is all wrong (p̂ = 0) or all right gets exactly 0. ``eps`` (default 0,
+    the paper's) only guards a group mean near 0 that is not exactly 0 (non-binary rewards).
+
+    Args:
+        eps: >= 0, added to the group mean before dividing.
+
+    Raises:
+        ValueError: a reward outside [0, 1] (the estimator is for success probabilities; rewards live on
+            the host here, so the check costs no device sync in the trainer).
+
+    Example:
+        >>> MaxRL()(torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]))
+        tensor([[ 3., -1., -1., -1.],
+                [ 1.,  1., -1., -1.]])
+    """
+
+    eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_eps(self.eps, "MaxRL")
+
+    def __call__(self, rewards: Tensor, *, uncertainty: Tensor | None = None) -> Tensor:
+        """Maps rewards [B, G] in [0, 1] (G >= 2) to [B, G] advantages; ``uncertainty`` is ignored."""
+        del uncertainty  # not used by this estimator
+        r, centered, equal = groups.centered(rewards, "MaxRL")
+        if ((r < 0) | (r > 1)).any():
+            raise ValueError("MaxRL: rewards must lie in [0, 1] (success indicators), and some do not; "
+                             "rescale the reward (e.g. MathAccuracy alone), or use GroupNormalized()")
+        mean = r.mean(dim=1, keepdim=True)
+        safe = torch.where(equal, torch.ones_like(mean), mean + self.eps)  # an equal group gets 0 anyway
+        return zero_where(equal, centered / safe)
 
 
 _SCALINGS: dict[str, Callable[[Tensor], Tensor]] = {

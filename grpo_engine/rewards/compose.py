@@ -6,10 +6,11 @@ Each reward scores the N = B * G completions of a :class:`RolloutBatch` once: th
 Its raw [B, G] scores go into ``RewardOutput.breakdown`` under its ``name``. ``normalize`` sets s_k:
 
 * ``"after_sum"`` (default): the raw score; the advantage function alone normalises the total.
-* ``"each"``: the score group-z-scored on its own, (x - mean_g x) / (std_g x + 1e-6), unbiased std over
+* ``"each"``: the score group-z-scored on its own, (x - mean_g x) / (std_g x + eps), unbiased std over
   the G completions, exactly 0 in a group where that reward is equal (GDPO, arXiv 2601.05242). Pair it
-  with ``ReinforcePlusPlusBaseline()`` (whitens the sum over the batch) or ``MeanBaseline()`` (keeps it);
-  the default ``GroupNormalized()`` would z-score the sum once more per group.
+  with ``ReinforcePlusPlusBaseline()`` (whitens the sum over the batch: GDPO, and with ``eps=1e-4`` on
+  both exactly TRL's ``multi_objective_aggregation="normalize_then_sum"``; ``presets.gdpo()``) or
+  ``MeanBaseline()`` (keeps it); the default ``GroupNormalized()`` would z-score the sum once more.
 
 A reward with weight 0 is logged but does not train. A ``RewardTransform`` in the list (``KLRewardPenalty``)
 is kept apart: :meth:`WeightedSum.transform` applies it once the log-probs :attr:`requires` names are known.
@@ -23,7 +24,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from grpo_engine.ops.groups import group_zscore
+from grpo_engine.ops.groups import check_eps, group_zscore
 from grpo_engine.protocols import RewardFn, RewardTransform
 from grpo_engine.rewards.base import RewardError, check_weight
 from grpo_engine.rewards.function import FunctionReward
@@ -53,6 +54,7 @@ class WeightedSum:
             texts; that method is then the one used.
         normalize: ``"after_sum"`` sums the raw scores; ``"each"`` group-z-scores each reward's
             scores before the weighted sum (see the module docstring).
+        eps: >= 0, added to each reward's group std under ``normalize="each"`` (TRL: 1e-4).
         timeout_s, on_error: how this combination runs its rewards (a :class:`RewardRunner`); unset,
             the trainer's ``GRPOConfig.reward_timeout_s`` and ``on_reward_error`` apply (setting both,
             differently, is refused), and a call outside a trainer runs without a limit and raises.
@@ -66,7 +68,9 @@ class WeightedSum:
     """
 
     def __init__(self, rewards: Sequence[RewardFn | RewardTransform], *, normalize: Normalize = "after_sum",
-                 timeout_s: float | None = None, on_error: Literal["raise", "zero"] | None = None) -> None:
+                 timeout_s: float | None = None, on_error: Literal["raise", "zero"] | None = None,
+                 eps: float = 1e-6) -> None:
+        check_eps(eps, "WeightedSum")
         self.transforms: tuple[RewardTransform, ...] = tuple(
             r for r in rewards if isinstance(r, RewardTransform))
         rewards = tuple(_as_reward(r) for r in rewards if not isinstance(r, RewardTransform))
@@ -100,6 +104,7 @@ class WeightedSum:
             seen[name] = reward
         self.rewards: tuple[RewardFn, ...] = rewards
         self.normalize: Normalize = normalize
+        self.eps = eps
         self.runner = (None if timeout_s is None and on_error is None
                        else RewardRunner(timeout_s, on_error or "raise"))
 
@@ -122,6 +127,7 @@ class WeightedSum:
 
     def __repr__(self) -> str:
         extra = "" if self.normalize == "after_sum" else f", normalize={self.normalize!r}"
+        extra += "" if self.eps == 1e-6 else f", eps={self.eps!r}"
         return f"WeightedSum({list(self.rewards) + list(self.transforms)!r}{extra})"
 
     @property
@@ -176,6 +182,6 @@ class WeightedSum:
                 if scores.isnan().any():
                     raise RewardError(f"reward {reward.name!r} returned None for some samples, which "
                                       "normalize='each' cannot z-score; use normalize='after_sum'")
-                scores = group_zscore(scores, 1e-6, "WeightedSum")
+                scores = group_zscore(scores, self.eps, "WeightedSum")
             total = total + float(reward.weight) * scores.nan_to_num(nan=0.0)  # None: left out of the sum
         return RewardOutput(total=total, breakdown=breakdown, errors=errors, metrics=metrics)
