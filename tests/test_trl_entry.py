@@ -557,6 +557,10 @@ def test_use_vllm_becomes_the_vllm_sampler_and_its_correction():
     assert server.vllm == VLLMPlan("server", {"base_url": "http://0.0.0.0:8100"})
     assert "server_command" in " ".join(server.notes)
     assert run(use_vllm=True, vllm_importance_sampling_correction=False).loss.tis_cap is None
+    vespo = run(use_vllm=True, loss_type="vespo", vllm_importance_sampling_mode="token_mask").loss
+    assert (type(vespo).__name__, vespo.tis_cap, vespo.tis_mode) == ("VESPO", 3.0, "token_mask")
+    with pytest.raises(TRLSettingError, match="vllm_importance_sampling_mode='sequence_mask': loss_type="):
+        run(use_vllm=True, loss_type="vespo")  # TRL's default mode is sequence_mask, which TRL refuses too
     assert run(vllm_gpu_memory_utilization=0.5).vllm is None  # without use_vllm TRL ignores them too
 
 

@@ -395,10 +395,15 @@ def _loss(args: Any, found: list[Problem]) -> Any:
             return None
         found += _unsupported_terms(args, "CISPO", tis)
         return CISPO(clip_eps_high=high - 1, kl_coef=beta)
-    if kind == "vespo":
-        found += _unsupported_terms(args, "VESPO", tis)
+    if kind == "vespo":  # vLLM's token ratio is folded into the sequence ratio, as TRL does
+        if tis and not tis["tis_mode"].startswith("token"):
+            found.append(problem("vllm_importance_sampling_mode", tis["tis_mode"], "loss_type='vespo' folds "
+                                 "the sampler's token ratio into its sequence ratio (TRL refuses it too)",
+                                 "vllm_importance_sampling_mode='token_truncate' or 'token_mask'"))
+            tis = {}
+        found += _unsupported_terms(args, "VESPO", {})
         return VESPO(k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
-                     lambda_neg=args.vespo_lambda_neg, kl_coef=beta)
+                     lambda_neg=args.vespo_lambda_neg, kl_coef=beta, **tis)
     if kind == "sapo":
         found += _unsupported_terms(args, "SAPO", tis)
         return SAPO(temperature_pos=args.sapo_temperature_pos, temperature_neg=args.sapo_temperature_neg,
