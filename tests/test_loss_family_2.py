@@ -134,3 +134,164 @@ def test_maxrl_refuses_rewards_outside_unit_interval_and_single_completions():
         MaxRL()(torch.tensor([[1.0]]))
     with pytest.raises(ValueError, match=r"MaxRL: eps=-0.1 must be >= 0"):
         MaxRL(eps=-0.1)
+
+
+# -- DeepSeek-V3.2: the off-policy sequence mask and the ratio-weighted (unbiased) KL -----------------------
+
+from types import SimpleNamespace  # noqa: E402
+
+from grpo_engine.losses import ClippedSurrogate  # noqa: E402
+from grpo_engine.losses.terms import OffPolicySequenceMask  # noqa: E402
+from grpo_engine.types import MicroBatch  # noqa: E402
+from tests.test_loss_family import CASES, EIGHT_ROW_CASES, against_trl, clamp  # noqa: E402
+from tests.test_loss_variants import k_value_grad, lists  # noqa: E402
+
+E = math.exp
+
+
+def sampler_of(old):
+    """A sampler's log-probs that differ from π_old's by a fixed function of them (TRL's side recomputes it
+    from the micro-batch's old log-probs); 0 on padding."""
+    return torch.where(torch.isfinite(old), old + 0.8 * torch.sin(7 * torch.nan_to_num(old)), 0.0)
+
+
+def trl_with(*, threshold=None, bias_correction=False, sampler=False):
+    """GRPOTrainer with TRL 1.16's ``off_policy_mask_threshold`` / ``use_bias_correction_kl`` set (class
+    properties win over the instance fields the shared harness writes), and ``sampling_per_token_logps``
+    = sampler_of(old) in its inputs when ``sampler``."""
+    class Trainer(trl_grpo.GRPOTrainer):
+        off_policy_mask_threshold = property(lambda self: threshold)
+
+        @property
+        def args(self):
+            fields = vars(self.__dict__["args"])
+            return SimpleNamespace(**{**fields, "use_bias_correction_kl": bias_correction})
+
+        def _compute_loss(self, model, inputs):
+            if sampler:
+                inputs = {**inputs, "sampling_per_token_logps": sampler_of(inputs["old_per_token_logps"])}
+            return super()._compute_loss(model, inputs)
+
+    return Trainer
+
+
+def clipped_reference(lp, old, ref, adv, mask, sampler=None, *, eps=0.2, kl_coef=0.0, weighted=False,
+                      threshold=None, est="k3"):
+    """Token-mean clipped surrogate, arXiv 2512.02556 eqs. 7-9: a completion with A_i < 0 whose mean
+    log(π_μ/π_θ) exceeds δ adds no policy term (μ: the sampler, else π_old); the KL β·ρ·k3 has gradient
+    β(ρ·k + ρ·∂k) (ρ = π_θ/π_old). Loops, float64."""
+    lp, old, ref, adv, mask = lists(lp, old, ref, adv, mask)
+    anchor = old if sampler is None else lists(sampler)[0]
+    n_tok = sum(sum(row) for row in mask)
+    loss, grad = 0.0, [[0.0] * len(row) for row in mask]
+    for i, row in enumerate(mask):
+        idx = [t for t, keep in enumerate(row) if keep]
+        mean = sum(anchor[i][t] - lp[i][t] for t in idx) / max(len(idx), 1)
+        keep = not (threshold is not None and adv[i] < 0 and mean > threshold)
+        for t in idx:
+            x = lp[i][t] - old[i][t]
+            rho, slope = E(clamp(x, -20, 20)), (E(x) if abs(x) <= 20 else 0.0)
+            c = clamp(rho, 1 - eps, 1 + eps)
+            policy = -min(rho * adv[i], c * adv[i])
+            dpolicy = -adv[i] * slope if rho * adv[i] <= c * adv[i] else 0.0
+            k, dk = k_value_grad(est, lp[i][t], ref[i][t])
+            w, dw = (rho, slope) if weighted else (1.0, 0.0)
+            loss += (keep * policy + kl_coef * w * k) / n_tok
+            grad[i][t] = (keep * dpolicy + kl_coef * (dw * k + w * dk)) / n_tok
+    return loss, torch.tensor(grad, dtype=torch.float64)
+
+
+def run(fn, case, sampler=None, truncated=None):
+    _, lp, mask, adv, old, ref = case
+    lp = lp.detach().clone().requires_grad_()
+    batch = MicroBatch(mask, adv, old, ref, None if truncated is None else torch.tensor(truncated),
+                       sampler_logprobs=sampler)
+    n_tok, n_seq = fn.counts(mask)
+    out = fn(lp, batch, num_valid_tokens=n_tok, num_sequences=n_seq)
+    out.loss.backward()
+    return out, lp
+
+
+def test_off_policy_mask_hand_values():
+    """δ = 0.5, token mean over 4 tokens, old = sampler = 0. Row 0, A = -1, log π_θ [-1, -1]: mean
+    log(π_μ/π_θ) = 1 > δ, masked: no policy term, no gradient. Row 1, A = -1, log π_θ [-0.2, -0.4]: mean 0.3,
+    kept: ρ = [e^-0.2, e^-0.4] = [0.8187, 0.6703]; A < 0 keeps max(ρ, clip(ρ)) = [0.8187, 0.8] (the second
+    clipped), loss (0.8187 + 0.8)/4 = 0.40468, gradient [0.8187/4, 0]. Row 0 would drop the same way with
+    A > 0? No: a positive advantage is never masked (the paper learns from its own successes)."""
+    lp = torch.tensor([[-1.0, -1.0], [-0.2, -0.4]], dtype=torch.float64, requires_grad=True)
+    fn = ClippedSurrogate(aggregation="token", off_policy_mask_threshold=0.5)
+    batch = MicroBatch(torch.ones(2, 2, dtype=torch.bool), torch.tensor([-1.0, -1.0], dtype=torch.float64),
+                       torch.zeros(2, 2, dtype=torch.float64))
+    out = fn(lp, batch, num_valid_tokens=4, num_sequences=2)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((E(-0.2) + 0.8) / 4, abs=1e-12)
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 0.0], [E(-0.2) / 4, 0.0]], dtype=torch.float64))
+    assert out.metrics["off_policy_masked_fraction"].item() == 0.5
+    positive = MicroBatch(batch.completion_mask, torch.tensor([1.0, 1.0], dtype=torch.float64),
+                          batch.old_logprobs)
+    assert fn(lp, positive, num_valid_tokens=4, num_sequences=2).metrics["off_policy_masked_fraction"] == 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("kwargs", [
+    dict(off_policy_mask_threshold=0.0), dict(off_policy_mask_threshold=0.3, kl_coef=0.1),
+    dict(kl_coef=0.2, kl_ratio_weighted=True),
+    dict(off_policy_mask_threshold=0.05, kl_coef=0.05, kl_ratio_weighted=True, clip_eps_low=0.1),
+], ids=str)
+@pytest.mark.parametrize("with_sampler", [False, True])
+def test_deepseek_v32_terms_match_naive_reference(case, kwargs, with_sampler):
+    fn = ClippedSurrogate(aggregation="token", **kwargs)
+    sampler = sampler_of(case[4]) if with_sampler else None
+    want, want_grad = clipped_reference(case[1], case[4], case[5], case[3], case[2], sampler,
+                                        eps=fn.clip_eps_low, kl_coef=fn.kl_coef,
+                                        weighted=fn.kl_ratio_weighted, threshold=fn.off_policy_mask_threshold)
+    for truncated in (None, [True] * case[2].shape[0]):  # all truncated: nothing changes (no filter)
+        out, lp = run(fn, case, sampler, truncated)
+        assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all()
+        assert out.loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+        torch.testing.assert_close(lp.grad, want_grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", EIGHT_ROW_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("micro_batch_size", [8, 2])
+@pytest.mark.parametrize("kwargs", [
+    dict(off_policy_mask_threshold=0.0), dict(off_policy_mask_threshold=0.3, kl_coef=0.1),
+    dict(kl_coef=0.2, kl_ratio_weighted=True),
+    dict(off_policy_mask_threshold=0.05, kl_coef=0.05, kl_ratio_weighted=True),
+], ids=str)
+@pytest.mark.parametrize("with_sampler", [False, True])
+def test_deepseek_v32_terms_equal_trl(case, micro_batch_size, kwargs, with_sampler):
+    """TRL 1.16 ``loss_type="dapo"`` with ``off_policy_mask_threshold`` and ``use_bias_correction_kl``, and
+    ``sampling_per_token_logps`` when a sampler reported its log-probs: the same loss and gradient."""
+    fn = ClippedSurrogate(aggregation="token", **kwargs)
+    trainer = trl_with(threshold=fn.off_policy_mask_threshold, bias_correction=fn.kl_ratio_weighted,
+                       sampler=with_sampler)
+    name, lp, mask, adv, old, ref = case
+    old = torch.where(mask, old, 0.0)
+    sampler = sampler_of(old) if with_sampler else None
+    if sampler is None:
+        against_trl(fn, "dapo", (name, lp, mask, adv, old, ref), micro_batch_size, trainer_cls=trainer,
+                    beta=fn.kl_coef)
+    else:  # ours reads the sampler from the MicroBatch; no importance-sampling correction on either side
+        against_trl(fn, "dapo", (name, lp, mask, adv, old, ref), micro_batch_size, trainer_cls=trainer,
+                    beta=fn.kl_coef, sampler=sampler)
+
+
+def test_off_policy_mask_anchor_and_errors():
+    case = CASES[0]
+    with pytest.raises(ValueError, match=r"off_policy_mask_threshold=-1 must be >= 0"):
+        ClippedSurrogate(off_policy_mask_threshold=-1)
+    with pytest.raises(ValueError, match=r"kl_ratio_weighted=True weights the KL, but kl_coef=0"):
+        ClippedSurrogate(kl_ratio_weighted=True)
+    needs = ClippedSurrogate(terms=(OffPolicySequenceMask(0.1, anchor="sampler"),))
+    assert needs.requires.sampler_logprobs
+    assert not ClippedSurrogate(off_policy_mask_threshold=0.1).requires.sampler_logprobs
+    with pytest.raises(ValueError, match=r"off_policy_mask_threshold=0.1"):
+        run(needs, case)
+    sampler = sampler_of(case[4])
+    old_only = ClippedSurrogate(aggregation="token", terms=(OffPolicySequenceMask(0.0, anchor="old"),))
+    got, _ = run(old_only, case, sampler)
+    want, _ = clipped_reference(case[1], case[4], case[5], case[3], case[2], None, threshold=0.0)
+    assert got.loss.item() == pytest.approx(want, rel=1e-10)
+    assert repr(ClippedSurrogate()) == repr(ClippedSurrogate(off_policy_mask_threshold=None))
+    assert "off_policy_mask_threshold" not in repr(ClippedSurrogate())

@@ -19,10 +19,19 @@ from grpo_engine.losses.gmpo import GMPO
 from grpo_engine.losses.gspo import GSPO
 from grpo_engine.losses.luspo import LUSPO
 from grpo_engine.losses.sapo import SAPO
-from grpo_engine.losses.terms import EntropyBonus, HighEntropyTokens, KLPenalty, MaskTruncated, TruncatedIS
+from grpo_engine.losses.terms import (
+    EntropyBonus,
+    HighEntropyTokens,
+    KLPenalty,
+    MaskTruncated,
+    OffPolicySequenceMask,
+    RatioWeightedKL,
+    TruncatedIS,
+)
 from grpo_engine.losses.vespo import VESPO
 from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator, kl_k1, kl_k2, kl_k3
 
 __all__ = ["ClippedSurrogate", "GSPO", "CISPO", "SAPO", "GMPO", "DPPO", "LUSPO", "VESPO",
            "MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "EntropyBonus",
+           "OffPolicySequenceMask", "RatioWeightedKL",
            "AGGREGATIONS", "aggregate", "KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]

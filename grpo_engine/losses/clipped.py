@@ -32,6 +32,8 @@ from grpo_engine.losses.terms import (
     HighEntropyTokens,
     KLPenalty,
     MaskTruncated,
+    OffPolicySequenceMask,
+    RatioWeightedKL,
     TruncatedIS,
 )
 from grpo_engine.ops.tokens import pooled_values
@@ -41,7 +43,8 @@ from grpo_engine.types import LossOutput, MicroBatch, Requirements, TokenLoss
 __all__ = ["ClippedSurrogate"]
 
 
-_ADDED_DEFAULTS = {"tis_mode": "token_truncate"}  # fields newer than 0.1, and their defaults
+_ADDED_DEFAULTS = {"tis_mode": "token_truncate", "off_policy_mask_threshold": None,
+                   "kl_ratio_weighted": False}  # fields newer than 0.1, and their defaults
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class ClippedSurrogate:
             ``"sequence_mask"`` (TRL's names; see :class:`TruncatedIS`).
         top_entropy_quantile: ρ in [0, 1]: the policy term on the top-ρ entropy tokens only
             (a :class:`HighEntropyTokens` term); None is off.
+        off_policy_mask_threshold: δ >= 0: drop the policy term of completions with A < 0 whose mean
+            log-ratio to the sampling policy exceeds δ (an :class:`OffPolicySequenceMask`, DeepSeek-V3.2;
+            TRL's ``off_policy_mask_threshold``); None is off.
+        kl_ratio_weighted: the KL times the ratio π_θ/π_old (a :class:`RatioWeightedKL` in place of the
+            :class:`KLPenalty`; TRL's ``use_bias_correction_kl``); needs ``kl_coef > 0``.
         terms: further ``RowFilter`` and ``LossTerm`` objects (``grpo_engine.protocols``), yours
             included, composed after those the keyword arguments make.
 
@@ -90,6 +98,8 @@ class ClippedSurrogate:
     tis_mode: str = "token_truncate"
     top_entropy_quantile: float | None = None
     terms: tuple[Any, ...] = field(default_factory=tuple)
+    off_policy_mask_threshold: float | None = None
+    kl_ratio_weighted: bool = False
 
     def __post_init__(self) -> None:
         if self.clip_eps_high is None:
@@ -109,6 +119,9 @@ class ClippedSurrogate:
             problems.append(f"delta={self.delta!r} must be > 1 + clip_eps_high = {1 + self.clip_eps_high}; "
                             "pass a larger cap (INTELLECT-2 uses 4) or None")
         problems.extend(common.check_kl_estimator(self.kl_estimator))
+        if self.kl_ratio_weighted and not self.kl_coef > 0:
+            problems.append("kl_ratio_weighted=True weights the KL, but kl_coef=0 turns it off; "
+                            "pass kl_coef > 0")
         if self.tis_mode not in TIS_MODES:
             problems.append(f"tis_mode={self.tis_mode!r} is not one of {TIS_MODES}; use 'token_truncate'")
         made: list[Any] = []
@@ -117,7 +130,10 @@ class ClippedSurrogate:
             made += [TruncatedIS(self.tis_cap, self.tis_mode)] if self.tis_cap is not None else []
             made += ([HighEntropyTokens(self.top_entropy_quantile)]
                      if self.top_entropy_quantile is not None else [])
-            made += [KLPenalty(self.kl_coef, self.kl_estimator)] if self.kl_coef > 0 and not problems else []
+            made += ([OffPolicySequenceMask(self.off_policy_mask_threshold)]
+                     if self.off_policy_mask_threshold is not None else [])
+            kl_term = RatioWeightedKL if self.kl_ratio_weighted else KLPenalty
+            made += [kl_term(self.kl_coef, self.kl_estimator)] if self.kl_coef > 0 and not problems else []
             made += [EntropyBonus(self.entropy_coef)] if self.entropy_coef > 0 else []
         except ValueError as error:
             problems.append(str(error))

@@ -8,7 +8,8 @@ needs (:class:`~grpo_engine.types.Requirements`); the loss checks that the micro
 The terms: :class:`MaskTruncated` (DAPO's overlong filtering), :class:`TruncatedIS` (truncated
 importance sampling against the sampler's log-probs), :class:`HighEntropyTokens` (the policy term on
 the top-ρ entropy tokens only, arXiv 2506.01939), :class:`KLPenalty` (β · a KL estimator to the
-reference, GRPO's), :class:`RatioWeightedKL` (the same times the ratio, TRL's bias-corrected KL) and
+reference, GRPO's), :class:`RatioWeightedKL` (the same times the ratio, TRL's bias-corrected KL),
+:class:`OffPolicySequenceMask` (DeepSeek-V3.2's mask of stale negative sequences) and
 :class:`EntropyBonus` (-c · token entropy). Padded positions never reach arithmetic.
 """
 
@@ -26,7 +27,7 @@ from grpo_engine.ops.tokens import high_entropy_mask
 from grpo_engine.types import MicroBatch, Requirements, TokenLoss
 
 __all__ = ["MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "RatioWeightedKL",
-           "EntropyBonus", "kl_tokens"]
+           "OffPolicySequenceMask", "EntropyBonus", "kl_tokens"]
 
 
 def kl_tokens(name: str, logp: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -189,6 +190,54 @@ class RatioWeightedKL:
         weighted = torch.where(tokens.mask, ratio * kl, torch.zeros_like(kl))
         share = token_share(weighted, tokens.mask, tokens.num_valid_tokens).detach()
         return tokens.replace(penalty=tokens.penalty + self.coef * weighted, metrics={"kl": share})
+
+
+@dataclass(frozen=True)
+class OffPolicySequenceMask:
+    """Surrogate weight: DeepSeek-V3.2's off-policy sequence masking (arXiv 2512.02556, §3.1). A completion
+    with a negative advantage whose mean per-token log-ratio to the sampling policy exceeds δ leaves the
+    policy term:
+
+        M_i = 0  if  A_i < 0  and  (1/|o_i|) Σ_t log(π_μ(o_it) / π_θ(o_it)) > δ,  else 1
+
+    with π_θ detached and π_μ the policy that sampled: the sampler's log-probs when the batch carries
+    them (the inference engine, as in the paper), else π_old (``anchor="auto"``, TRL 1.16's
+    ``off_policy_mask_threshold`` reading); ``anchor="sampler"`` requires the sampler's, ``"old"`` ignores
+    them. The counts are unchanged (the masked tokens still divide), the KL and entropy terms still act;
+    an empty completion has log-ratio 0 and is kept. Metric ``off_policy_masked_fraction``: the share of
+    valid tokens in masked completions.
+    """
+
+    threshold: float
+    anchor: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0:
+            raise ValueError(f"off_policy_mask_threshold={self.threshold!r} must be >= 0 (a mean log-ratio); "
+                             "the paper's scale is about 1e-3 to 1, None turns it off")
+        if self.anchor not in ("auto", "sampler", "old"):
+            raise ValueError(f"anchor={self.anchor!r} is not one of ('auto', 'sampler', 'old'); use 'auto'")
+
+    def __str__(self) -> str:  # how errors name it: the setting that made it
+        return f"off_policy_mask_threshold={self.threshold}"
+
+    @property
+    def requires(self) -> Requirements:
+        return Requirements(sampler_logprobs=self.anchor == "sampler", zero_advantage_rows=False)
+
+    def __call__(self, tokens: TokenLoss, batch: MicroBatch) -> TokenLoss:
+        has_sampler = batch.sampler_logprobs is not None
+        use_sampler = self.anchor == "sampler" or (self.anchor == "auto" and has_sampler)
+        dtype = tokens.logprobs.dtype
+        anchor = (masked(batch.sampler_logprobs.detach(), tokens.mask, dtype) if use_sampler
+                  else tokens.old_logprobs)
+        log_ratio = torch.where(tokens.mask, anchor - tokens.logprobs.detach(), torch.zeros_like(anchor))
+        mean = log_ratio.sum(dim=1, keepdim=True) / tokens.mask.sum(dim=1, keepdim=True).clamp(min=1)
+        drop = (batch.advantages.detach().to(device=mean.device)[:, None] < 0) & (mean > self.threshold)
+        policy = torch.where(drop, torch.zeros_like(tokens.policy), tokens.policy)
+        share = token_share(drop.expand_as(tokens.mask).to(dtype), tokens.mask, tokens.num_valid_tokens)
+        return tokens.replace(policy=policy, clipped=tokens.clipped & ~drop,
+                              metrics={"off_policy_masked_fraction": share})
 
 
 @dataclass(frozen=True)
