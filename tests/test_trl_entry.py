@@ -676,3 +676,20 @@ def test_prompts_are_tokenised_as_trl_tokenises_them(tiny_folder, tmp_path):
     theirs = tokenizer.apply_chat_template(conversation=[messages], add_generation_prompt=True, tokenize=True,
                                            return_dict=True)["input_ids"][0]
     assert sampler.prompt_tokens(Prompt(messages)) == list(theirs)
+
+
+def test_conversational_data_with_trls_own_reward_functions(tiny_folder, tmp_path):
+    """TRL's usual math script: message prompts with a system turn and a ``solution`` column, scored by
+    ``trl.rewards.accuracy_reward`` and ``think_format_reward`` as they are: each reads
+    ``completion[0]["content"]``; the unparseable gold answer is None, counted and left out."""
+    trl_rewards = pytest.importorskip("trl.rewards")
+    system = {"role": "system", "content": "Think, then answer in \\boxed{}."}
+    rows = [{"prompt": [system, {"role": "user", "content": "1+1?"}], "solution": "$2$"},
+            {"prompt": [system, {"role": "user", "content": "Name a colour."}], "solution": "red or blue"}]
+    trainer = GRPOTrainer(str(tiny_folder), [trl_rewards.accuracy_reward, trl_rewards.think_format_reward],
+                          args=_args(tmp_path, max_steps=2), train_dataset=Dataset.from_list(rows))
+    trainer.train()  # one prompt x 2 completions a step: both prompts, one each
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("reward/accuracy_reward/mean" in r for r in records)
+    assert sorted(r.get("reward/accuracy_reward/none", 0.0) for r in records) == [0.0, 2.0]  # no gold
+    assert all(r["reward/think_format_reward/mean"] == 0.0 for r in records)  # a random model never thinks
