@@ -149,10 +149,10 @@ from tests.test_loss_variants import k_value_grad, lists  # noqa: E402
 E = math.exp
 
 
-def sampler_of(old):
+def sampler_of(old, amplitude=0.8):
     """A sampler's log-probs that differ from π_old's by a fixed function of them (TRL's side recomputes it
     from the micro-batch's old log-probs); 0 on padding."""
-    return torch.where(torch.isfinite(old), old + 0.8 * torch.sin(7 * torch.nan_to_num(old)), 0.0)
+    return torch.where(torch.isfinite(old), old + amplitude * torch.sin(7 * torch.nan_to_num(old)), 0.0)
 
 
 def trl_with(*, threshold=None, bias_correction=False, sampler=False):
@@ -295,3 +295,123 @@ def test_off_policy_mask_anchor_and_errors():
     assert got.loss.item() == pytest.approx(want, rel=1e-10)
     assert repr(ClippedSurrogate()) == repr(ClippedSurrogate(off_policy_mask_threshold=None))
     assert "off_policy_mask_threshold" not in repr(ClippedSurrogate())
+
+
+# -- Importance sampling against the sampler: lower and upper bounds, four modes; IcePop -------------------
+
+from grpo_engine.losses.terms import TruncatedIS, icepop  # noqa: E402
+
+MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def trl_is_ratio(old, sampler, mask, mode, clip_min, clip_max):
+    """TRL 1.16's own vLLM importance-sampling lines (``_generate_and_score_completions``), run on [n, C]
+    π_old and sampler log-probs: [n, C] (token modes) or [n, 1] (sequence modes)."""
+    source = textwrap.dedent(inspect.getsource(trl_grpo.GRPOTrainer._generate_and_score_completions))
+    block = source.index("if self.use_vllm and self.vllm_importance_sampling_correction:")
+    start = source.index("mask = completion_mask if tool_mask is None", block)
+    end = source.index("# Compute the per-token log probabilities for the reference model", start)
+    scope = dict(old_per_token_logps=old, sampling_per_token_logps=sampler, completion_mask=mask.long(),
+                 tool_mask=None, torch=torch, math=math,
+                 self=SimpleNamespace(vllm_importance_sampling_mode=mode,
+                                      vllm_importance_sampling_clip_min=clip_min,
+                                      vllm_importance_sampling_clip_max=clip_max))
+    indent = start - source.rindex("\n", 0, start) - 1
+    exec(textwrap.dedent(" " * indent + source[start:end].rstrip()), scope)  # noqa: S102 - TRL's own code
+    return scope["vllm_importance_sampling_ratio"]
+
+
+def is_weights(old, sampler, mask, mode, low, high):
+    """[n][C] importance weights from r = π_old/π_sampler, written out (loops): a token's own ratio or its
+    sequence's product; truncated to [low, high], or kept where inside and 0 outside (None: unbounded)."""
+    old, sampler, mask = lists(old, sampler, mask)
+    low, high = -math.inf if low is None else low, math.inf if high is None else high
+    out = []
+    for i, row in enumerate(mask):
+        seq = E(clamp(sum(old[i][t] - sampler[i][t] for t, keep in enumerate(row) if keep), -20, 20))
+        weights = []
+        for t in range(len(row)):
+            r = seq if mode.startswith("sequence") else E(clamp(old[i][t] - sampler[i][t], -20, 20))
+            if mode.endswith("truncate"):
+                weights.append(clamp(r, low, high))
+            else:
+                weights.append(r if low <= r <= high else 0.0)
+        out.append(weights)
+    return out
+
+
+def tis_reference(lp, old, adv, mask, weights, eps=0.2):
+    """Token-mean clipped surrogate whose policy term is multiplied by fixed weights; loops, float64."""
+    lp, old, adv, mask = lists(lp, old, adv, mask)
+    n_tok = sum(sum(row) for row in mask)
+    loss, grad = 0.0, [[0.0] * len(row) for row in mask]
+    for i, row in enumerate(mask):
+        for t, keep in enumerate(row):
+            if not keep:
+                continue
+            x = lp[i][t] - old[i][t]
+            rho, slope = E(clamp(x, -20, 20)), (E(x) if abs(x) <= 20 else 0.0)
+            c = clamp(rho, 1 - eps, 1 + eps)
+            loss += weights[i][t] * -min(rho * adv[i], c * adv[i]) / n_tok
+            grad[i][t] = weights[i][t] * (-adv[i] * slope if rho * adv[i] <= c * adv[i] else 0.0) / n_tok
+    return loss, torch.tensor(grad, dtype=torch.float64)
+
+
+BOUNDS = [(None, 2.0), (0.5, 2.0), (0.8, None), (0.2, 5.0)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("low, high", BOUNDS, ids=str)
+def test_two_sided_is_matches_naive_reference(case, mode, low, high):
+    _, lp, mask, adv, old, ref = case
+    sampler = sampler_of(old)
+    fn = ClippedSurrogate(aggregation="token", tis_cap=high, tis_mode=mode, tis_cap_min=low)
+    weights = is_weights(old, sampler, mask, mode, low, high)
+    want, want_grad = tis_reference(lp, old, adv, mask, weights)
+    for truncated in (None, [True] * mask.shape[0]):
+        out, x = run(fn, case, sampler, truncated)
+        assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
+        assert out.loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+        torch.testing.assert_close(x.grad, want_grad, rtol=1e-10, atol=1e-12)
+    flat = [w for row, keep in zip(weights, lists(mask)[0]) for w, k in zip(row, keep) if k]
+    assert out.metrics["tis_weight"].item() == pytest.approx(sum(flat) / len(flat), rel=1e-10)
+
+
+@pytest.mark.parametrize("case", EIGHT_ROW_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("micro_batch_size", [8, 2])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("low, high", BOUNDS, ids=str)
+def test_two_sided_is_equals_trl(case, micro_batch_size, mode, low, high):
+    """TRL 1.16 with vLLM importance sampling (``vllm_importance_sampling_mode`` = mode, ``_clip_min`` = low,
+    ``_clip_max`` = high), its ratio made by its own lines: the same loss and gradient."""
+    name, lp, mask, adv, old, ref = case
+    old = torch.where(mask, old, 0.0)
+    sampler = sampler_of(old, 0.25)  # sequence ratios near 1 too: some of each kind survive a mask
+    ratio = trl_is_ratio(old, sampler, mask, mode, low, high)
+    fn = ClippedSurrogate(aggregation="token", tis_cap=high, tis_mode=mode, tis_cap_min=low)
+    against_trl(fn, "dapo", (name, lp, mask, adv, old, ref), micro_batch_size, sampler=sampler,
+                is_ratio=ratio)
+
+
+def test_icepop_hand_values_and_errors():
+    """IcePop α = 0.5, β = 5, A = 1, on-policy (ρ = 1), token mean over 3 tokens; r = π_old/π_sampler =
+    [0.4, 1.0, 4.0]: the first falls below α and leaves, the others keep their weight: loss -(1 + 4)/3,
+    gradient [0, -1/3, -4/3]; mismatch/capped_fraction 1/3."""
+    lp = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    sampler = -torch.tensor([[0.4, 1.0, 4.0]], dtype=torch.float64).log()
+    fn = ClippedSurrogate(aggregation="token", terms=(icepop(),))
+    assert repr(icepop()) == "TruncatedIS(cap=5.0, mode='token_mask', cap_min=0.5)"
+    batch = MicroBatch(torch.ones(1, 3, dtype=torch.bool), torch.tensor([1.0], dtype=torch.float64),
+                       torch.zeros(1, 3, dtype=torch.float64), sampler_logprobs=sampler)
+    out = fn(lp, batch, num_valid_tokens=3, num_sequences=1)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-5 / 3, abs=1e-12)
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1 / 3, -4 / 3]], dtype=torch.float64))
+    assert out.metrics["mismatch/capped_fraction"].item() == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match=r"tis_cap_min=3.0 must be >= 0 and < tis_cap=2.0"):
+        ClippedSurrogate(tis_cap=2.0, tis_cap_min=3.0)
+    with pytest.raises(ValueError, match=r"TruncatedIS needs a bound"):
+        TruncatedIS(None)
+    assert "tis_cap_min" not in repr(ClippedSurrogate(tis_cap=2.0))
+    assert str(TruncatedIS(2.0, cap_min=0.5)) == "tis_cap=2.0, tis_cap_min=0.5"

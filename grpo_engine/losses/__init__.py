@@ -27,11 +27,12 @@ from grpo_engine.losses.terms import (
     OffPolicySequenceMask,
     RatioWeightedKL,
     TruncatedIS,
+    icepop,
 )
 from grpo_engine.losses.vespo import VESPO
 from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator, kl_k1, kl_k2, kl_k3
 
 __all__ = ["ClippedSurrogate", "GSPO", "CISPO", "SAPO", "GMPO", "DPPO", "LUSPO", "VESPO",
            "MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "EntropyBonus",
-           "OffPolicySequenceMask", "RatioWeightedKL",
+           "OffPolicySequenceMask", "RatioWeightedKL", "icepop",
            "AGGREGATIONS", "aggregate", "KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]

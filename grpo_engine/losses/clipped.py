@@ -43,8 +43,9 @@ from grpo_engine.types import LossOutput, MicroBatch, Requirements, TokenLoss
 __all__ = ["ClippedSurrogate"]
 
 
+# fields newer than 0.1, and their defaults
 _ADDED_DEFAULTS = {"tis_mode": "token_truncate", "off_policy_mask_threshold": None,
-                   "kl_ratio_weighted": False}  # fields newer than 0.1, and their defaults
+                   "kl_ratio_weighted": False, "tis_cap_min": None}
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class ClippedSurrogate:
         off_policy_mask_threshold: δ >= 0: drop the policy term of completions with A < 0 whose mean
             log-ratio to the sampling policy exceeds δ (an :class:`OffPolicySequenceMask`, DeepSeek-V3.2;
             TRL's ``off_policy_mask_threshold``); None is off.
+        tis_cap_min: the lower bound C_min of the importance weight, in every ``tis_mode`` (truncated at it,
+            or masked below it; TRL's ``vllm_importance_sampling_clip_min``); alone (``tis_cap=None``) a
+            lower bound only. IcePop: ``tis_cap=5, tis_mode="token_mask", tis_cap_min=0.5``.
         kl_ratio_weighted: the KL times the ratio π_θ/π_old (a :class:`RatioWeightedKL` in place of the
             :class:`KLPenalty`; TRL's ``use_bias_correction_kl``); needs ``kl_coef > 0``.
         terms: further ``RowFilter`` and ``LossTerm`` objects (``grpo_engine.protocols``), yours
@@ -100,6 +104,7 @@ class ClippedSurrogate:
     terms: tuple[Any, ...] = field(default_factory=tuple)
     off_policy_mask_threshold: float | None = None
     kl_ratio_weighted: bool = False
+    tis_cap_min: float | None = None
 
     def __post_init__(self) -> None:
         if self.clip_eps_high is None:
@@ -127,7 +132,8 @@ class ClippedSurrogate:
         made: list[Any] = []
         try:
             made += [MaskTruncated()] if self.mask_truncated else []
-            made += [TruncatedIS(self.tis_cap, self.tis_mode)] if self.tis_cap is not None else []
+            made += ([TruncatedIS(self.tis_cap, self.tis_mode, self.tis_cap_min)]
+                     if self.tis_cap is not None or self.tis_cap_min is not None else [])
             made += ([HighEntropyTokens(self.top_entropy_quantile)]
                      if self.top_entropy_quantile is not None else [])
             made += ([OffPolicySequenceMask(self.off_policy_mask_threshold)]

@@ -15,6 +15,7 @@ reference, GRPO's), :class:`RatioWeightedKL` (the same times the ratio, TRL's bi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from grpo_engine.ops.tokens import high_entropy_mask
 from grpo_engine.types import MicroBatch, Requirements, TokenLoss
 
 __all__ = ["MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "RatioWeightedKL",
-           "OffPolicySequenceMask", "EntropyBonus", "kl_tokens"]
+           "OffPolicySequenceMask", "EntropyBonus", "icepop", "kl_tokens"]
 
 
 def kl_tokens(name: str, logp: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -62,30 +63,41 @@ TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask
 class TruncatedIS:
     """Surrogate weight against the sampler's log-probs, for samples drawn by another engine or precision
     than the trainer's (vLLM): each token's policy term times a detached importance weight w built from
-    r = π_old / π_sampler (TRL's ``vllm_importance_sampling_mode`` names):
+    r = π_old / π_sampler and the bounds [C_min, C_max] = [``cap_min``, ``cap``] (either may be None: no
+    bound on that side; TRL's ``vllm_importance_sampling_mode`` names and its ``_clip_min`` / ``_clip_max``):
 
-    - ``"token_truncate"`` (default): w_t = min(r_t, cap);
-    - ``"token_mask"``: w_t = r_t where r_t <= cap, else 0 (the token leaves the policy term);
-    - ``"sequence_truncate"``: every token of a completion gets min(Π_t r_t, cap), the ratio of the
+    - ``"token_truncate"`` (default): w_t = clamp(r_t, C_min, C_max) (TIS; Yao et al. 2025);
+    - ``"token_mask"``: w_t = r_t where C_min <= r_t <= C_max, else 0 (the token leaves the policy term;
+      with both bounds this is IcePop, Ring-1T arXiv 2510.18855: M(r) = r on [α, β] = [0.5, 5], see
+      :func:`icepop`);
+    - ``"sequence_truncate"``: every token of a completion gets clamp(Π_t r_t, C_min, C_max), the ratio of the
       whole sequence (its log the sum over the completion's tokens);
-    - ``"sequence_mask"``: Π_t r_t where it is <= cap, else 0 for the whole completion.
+    - ``"sequence_mask"``: Π_t r_t where it lies in [C_min, C_max], else 0 for the whole completion (two-sided
+      masked IS, MIS; verl's rollout IS with a lower and an upper threshold).
 
     Metrics (token means over the step): ``tis_weight`` (w) and ``mismatch/capped_fraction`` (tokens whose
-    ratio, or whose sequence's ratio, exceeded the cap: truncated or masked). The trainer logs how far
+    ratio, or whose sequence's ratio, lay outside the bounds: truncated or masked). The trainer logs how far
     the two engines disagree, ``mismatch/logprob_abs``, whenever the sampler reports its log-probs.
     """
 
-    cap: float
+    cap: float | None
     mode: str = "token_truncate"
+    cap_min: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.cap > 0:
+        if self.cap is None and self.cap_min is None:
+            raise ValueError("TruncatedIS needs a bound: tis_cap (C_max) or tis_cap_min (C_min), or both")
+        if self.cap is not None and not self.cap > 0:
             raise ValueError(f"tis_cap={self.cap!r} must be > 0; use e.g. 2.0, or None to turn it off")
+        if self.cap_min is not None and not 0 <= self.cap_min < (math.inf if self.cap is None else self.cap):
+            raise ValueError(f"tis_cap_min={self.cap_min!r} must be >= 0 and < tis_cap={self.cap!r}; "
+                             "IcePop uses 0.5 with a cap of 5")
         if self.mode not in TIS_MODES:
             raise ValueError(f"tis_mode={self.mode!r} is not one of {TIS_MODES}; use 'token_truncate'")
 
     def __str__(self) -> str:  # how errors name it: the setting that made it
-        return f"tis_cap={self.cap}"
+        low = "" if self.cap_min is None else f", tis_cap_min={self.cap_min}"
+        return f"tis_cap={self.cap}{low}"
 
     @property
     def requires(self) -> Requirements:
@@ -97,13 +109,30 @@ class TruncatedIS:
         if self.mode.startswith("sequence"):  # one ratio per completion, on each of its tokens
             log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)
         ratio = safe_exp(log_ratio)
-        over = ratio > self.cap
-        weight = ratio.clamp(max=self.cap) if self.mode.endswith("truncate") else torch.where(
-            over, torch.zeros_like(ratio), ratio)
+        low = -math.inf if self.cap_min is None else self.cap_min
+        high = math.inf if self.cap is None else self.cap
+        over = (ratio > high) | (ratio < low)
+        truncate = self.mode.endswith("truncate")
+        weight = (ratio.clamp(min=self.cap_min, max=self.cap) if truncate
+                  else torch.where(over, torch.zeros_like(ratio), ratio))
         n = tokens.num_valid_tokens
         metrics = {"tis_weight": token_share(weight, tokens.mask, n),
                    "mismatch/capped_fraction": token_share(over.to(weight.dtype), tokens.mask, n)}
         return tokens.replace(policy=tokens.policy * weight, metrics=metrics)
+
+
+def icepop(low: float = 0.5, high: float = 5.0) -> TruncatedIS:
+    """IcePop (Ling team, Ring-1T, arXiv 2510.18855): each token's policy term times
+    M(r_t) = r_t if low <= r_t <= high else 0, r_t = π_old / π_sampler: tokens on which the two engines
+    disagree too much leave the gradient, the others are importance-weighted. The same as
+    ``TruncatedIS(high, "token_mask", low)`` (TRL: ``vllm_importance_sampling_mode="token_mask"`` with
+    ``vllm_importance_sampling_clip_min=low``, ``_clip_max=high``); the paper's α = 0.5, β = 5.
+
+    Example:
+        >>> icepop()
+        TruncatedIS(cap=5.0, mode='token_mask', cap_min=0.5)
+    """
+    return TruncatedIS(high, "token_mask", low)
 
 
 @dataclass(frozen=True)
