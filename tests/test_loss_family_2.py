@@ -415,3 +415,112 @@ def test_icepop_hand_values_and_errors():
         TruncatedIS(None)
     assert "tis_cap_min" not in repr(ClippedSurrogate(tis_cap=2.0))
     assert str(TruncatedIS(2.0, cap_min=0.5)) == "tis_cap=2.0, tis_cap_min=0.5"
+
+
+# -- Clip-Cov and KL-Cov ------------------------------------------------------------------------------------
+
+from grpo_engine.losses import ClipCov, KLCov  # noqa: E402
+
+# the cases, and the same with advantages times 4 (covariances up to ~10: some inside Clip-Cov's (1, 5))
+COV_CASES = CASES + [(name + "-wide", lp, mask, 4 * adv, old, ref) for name, lp, mask, adv, old, ref in CASES]
+
+
+def covariances(lp, adv, mask):
+    """{(i, t): (A_i - mean A)(log π_it - mean log π)} over the valid tokens (arXiv 2505.22617); loops."""
+    lp, adv, mask = lists(lp, adv, mask)
+    valid = [(i, t) for i, row in enumerate(mask) for t, keep in enumerate(row) if keep]
+    mean_a = sum(adv[i] for i, _ in valid) / len(valid)
+    mean_l = sum(lp[i][t] for i, t in valid) / len(valid)
+    return {(i, t): (adv[i] - mean_a) * (lp[i][t] - mean_l) for i, t in valid}
+
+
+def cov_reference(lp, old, adv, mask, *, eps_low=0.2, eps_high=0.2, cut=(), penalised=(), coef=1.0):
+    """Token-mean clipped surrogate; tokens in ``cut`` add nothing (Clip-Cov), tokens in ``penalised`` add
+    coef·|log π_θ - log π_old| (KL-Cov, gradient coef·sign). Loops, float64; also the PPO-clipped set."""
+    lp, old, adv, mask = lists(lp, old, adv, mask)
+    n_tok = sum(sum(row) for row in mask)
+    loss, grad, clipped = 0.0, [[0.0] * len(row) for row in mask], set()
+    for i, row in enumerate(mask):
+        for t, keep in enumerate(row):
+            if not keep:
+                continue
+            x = lp[i][t] - old[i][t]
+            rho, slope = E(clamp(x, -20, 20)), (E(x) if abs(x) <= 20 else 0.0)
+            c = clamp(rho, 1 - eps_low, 1 + eps_high)
+            if c * adv[i] < rho * adv[i]:
+                clipped.add((i, t))
+            if (i, t) not in cut:
+                loss -= min(rho * adv[i], c * adv[i]) / n_tok
+                grad[i][t] = (-adv[i] * slope if rho * adv[i] <= c * adv[i] else 0.0) / n_tok
+            if (i, t) in penalised:
+                loss += coef * abs(x) / n_tok
+                grad[i][t] += coef * math.copysign(1.0, x) / n_tok
+    return loss, torch.tensor(grad, dtype=torch.float64), clipped
+
+
+def test_covariance_hand_values():
+    """Two rows, A = [1, -1], log π = [[-1, -3], [-1, ·]]: over the 3 valid tokens mean A = 1/3 and
+    mean log π = -5/3. Cov = (2/3)(2/3), (2/3)(-4/3), (-4/3)(2/3) = [4/9, -8/9 | -8/9]."""
+    from grpo_engine.losses.covariance import token_covariance
+
+    cov = token_covariance(torch.tensor([[-1.0, -3.0], [-1.0, 0.0]], dtype=torch.float64),
+                           torch.tensor([1.0, -1.0], dtype=torch.float64),
+                           torch.tensor([[1, 1], [1, 0]]).bool())
+    torch.testing.assert_close(cov, torch.tensor([[4 / 9, -8 / 9], [-8 / 9, -math.inf]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("case", COV_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("ratio", [2e-4, 0.3, 1.0])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_clip_cov_matches_naive_reference(case, ratio, seed):
+    """Clip-Cov: the candidates (valid, not PPO-clipped, 1 < Cov < 5, in row-major order), a random
+    max(1, ⌊r·N⌋) of them by torch.randperm after the same seed, lose their policy term."""
+    _, lp, mask, adv, old, ref = case
+    cov = covariances(lp, adv, mask)
+    *_, clipped = cov_reference(lp, old, adv, mask)
+    candidates = [key for key, c in sorted(cov.items()) if 1 < c < 5 and key not in clipped]
+    torch.manual_seed(seed)
+    order = torch.randperm(len(candidates)).tolist()
+    cut = {candidates[j] for j in order[:max(1, int(ratio * len(cov)))]}
+    want, want_grad, _ = cov_reference(lp, old, adv, mask, cut=cut)
+    fn = ClippedSurrogate(aggregation="token", clip_cov_ratio=ratio)
+    for truncated in (None, [True] * mask.shape[0]):
+        torch.manual_seed(seed)
+        out, x = run(fn, case, truncated=truncated)
+        assert out.loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+        torch.testing.assert_close(x.grad, want_grad, rtol=1e-10, atol=1e-12)
+        assert out.metrics["clip_cov_fraction"].item() == pytest.approx(len(cut) / len(cov))
+    if case[0] == "random-wide" and ratio == 1.0:
+        assert cut  # the test cuts a token somewhere
+
+
+@pytest.mark.parametrize("case", COV_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("ratio, coef", [(2e-4, 1.0), (0.25, 0.1), (1.0, 2.0)])
+@pytest.mark.parametrize("unclipped", [False, True])
+def test_kl_cov_matches_naive_reference(case, ratio, coef, unclipped):
+    """KL-Cov: the max(1, ⌊k·N⌋) tokens of largest Cov get coef·|log π_θ - log π_old|; ``unclipped`` is the
+    paper's and verl's surrogate (no PPO clip: ε_low = 1, ε_high = 1e9)."""
+    _, lp, mask, adv, old, ref = case
+    cov = covariances(lp, adv, mask)
+    top = set(sorted(cov, key=lambda key: -cov[key])[:max(1, int(ratio * len(cov)))])
+    eps = dict(eps_low=1.0, eps_high=1e9) if unclipped else {}
+    want, want_grad, _ = cov_reference(lp, old, adv, mask, penalised=top, coef=coef, **eps)
+    clip = dict(clip_eps_low=1.0, clip_eps_high=1e9) if unclipped else {}
+    fn = ClippedSurrogate(aggregation="token", kl_cov_ratio=ratio, kl_cov_coef=coef, **clip)
+    for truncated in (None, [True] * mask.shape[0]):
+        out, x = run(fn, case, truncated=truncated)
+        assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
+        assert out.loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+        torch.testing.assert_close(x.grad, want_grad, rtol=1e-10, atol=1e-12)
+        assert out.metrics["kl_cov_fraction"].item() == pytest.approx(len(top) / len(cov))
+
+
+def test_cov_terms_errors_and_repr():
+    with pytest.raises(ValueError, match=r"clip_cov_ratio=0 must be in \(0, 1\]"):
+        ClippedSurrogate(clip_cov_ratio=0)
+    with pytest.raises(ValueError, match=r"kl_cov_coef=0.0 must be > 0"):
+        KLCov(coef=0.0)
+    with pytest.raises(ValueError, match=r"ClipCov: low=5 must be < high=1"):
+        ClipCov(low=5, high=1)
+    assert "cov" not in repr(ClippedSurrogate())
+    assert ClippedSurrogate(kl_cov_ratio=0.1, clip_cov_ratio=0.1).requires.zero_advantage_rows

@@ -14,6 +14,7 @@ weights REINFORCE by a Gamma kernel of the sequence ratio (arXiv 2602.10693). Th
 from grpo_engine.losses.aggregation import AGGREGATIONS, aggregate
 from grpo_engine.losses.cispo import CISPO
 from grpo_engine.losses.clipped import ClippedSurrogate
+from grpo_engine.losses.covariance import ClipCov, KLCov
 from grpo_engine.losses.dppo import DPPO
 from grpo_engine.losses.gmpo import GMPO
 from grpo_engine.losses.gspo import GSPO
@@ -34,5 +35,5 @@ from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator, kl_k1, kl_k2, kl_k3
 
 __all__ = ["ClippedSurrogate", "GSPO", "CISPO", "SAPO", "GMPO", "DPPO", "LUSPO", "VESPO",
            "MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "EntropyBonus",
-           "OffPolicySequenceMask", "RatioWeightedKL", "icepop",
+           "OffPolicySequenceMask", "RatioWeightedKL", "icepop", "ClipCov", "KLCov",
            "AGGREGATIONS", "aggregate", "KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from grpo_engine.losses import _common as common
 from grpo_engine.losses.aggregation import AGGREGATIONS, Aggregation, aggregate
+from grpo_engine.losses.covariance import ClipCov, KLCov
 from grpo_engine.losses.terms import (
     TIS_MODES,
     EntropyBonus,
@@ -45,7 +46,8 @@ __all__ = ["ClippedSurrogate"]
 
 # fields newer than 0.1, and their defaults
 _ADDED_DEFAULTS = {"tis_mode": "token_truncate", "off_policy_mask_threshold": None,
-                   "kl_ratio_weighted": False, "tis_cap_min": None}
+                   "kl_ratio_weighted": False, "tis_cap_min": None, "clip_cov_ratio": None,
+                   "kl_cov_ratio": None, "kl_cov_coef": 1.0}
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,12 @@ class ClippedSurrogate:
         tis_cap_min: the lower bound C_min of the importance weight, in every ``tis_mode`` (truncated at it,
             or masked below it; TRL's ``vllm_importance_sampling_clip_min``); alone (``tis_cap=None``) a
             lower bound only. IcePop: ``tis_cap=5, tis_mode="token_mask", tis_cap_min=0.5``.
+        clip_cov_ratio: r in (0, 1]: Clip-Cov (arXiv 2505.22617), a random r-share of the unclipped tokens
+            with covariance in (1, 5) lose their policy term (a :class:`~grpo_engine.losses.ClipCov`);
+            the paper's 2e-4. None is off.
+        kl_cov_ratio: k in (0, 1]: KL-Cov, the top-k share of tokens by covariance get
+            ``kl_cov_coef`` · |log π_θ - log π_old| (a :class:`~grpo_engine.losses.KLCov`); None is off.
+        kl_cov_coef: β > 0 of KL-Cov (paper: 1.0).
         kl_ratio_weighted: the KL times the ratio π_θ/π_old (a :class:`RatioWeightedKL` in place of the
             :class:`KLPenalty`; TRL's ``use_bias_correction_kl``); needs ``kl_coef > 0``.
         terms: further ``RowFilter`` and ``LossTerm`` objects (``grpo_engine.protocols``), yours
@@ -105,6 +113,9 @@ class ClippedSurrogate:
     off_policy_mask_threshold: float | None = None
     kl_ratio_weighted: bool = False
     tis_cap_min: float | None = None
+    clip_cov_ratio: float | None = None
+    kl_cov_ratio: float | None = None
+    kl_cov_coef: float = 1.0
 
     def __post_init__(self) -> None:
         if self.clip_eps_high is None:
@@ -138,6 +149,8 @@ class ClippedSurrogate:
                      if self.top_entropy_quantile is not None else [])
             made += ([OffPolicySequenceMask(self.off_policy_mask_threshold)]
                      if self.off_policy_mask_threshold is not None else [])
+            made += [ClipCov(self.clip_cov_ratio)] if self.clip_cov_ratio is not None else []
+            made += [KLCov(self.kl_cov_ratio, self.kl_cov_coef)] if self.kl_cov_ratio is not None else []
             kl_term = RatioWeightedKL if self.kl_ratio_weighted else KLPenalty
             made += [kl_term(self.kl_coef, self.kl_estimator)] if self.kl_coef > 0 and not problems else []
             made += [EntropyBonus(self.entropy_coef)] if self.entropy_coef > 0 else []
