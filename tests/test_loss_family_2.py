@@ -524,3 +524,124 @@ def test_cov_terms_errors_and_repr():
         ClipCov(low=5, high=1)
     assert "cov" not in repr(ClippedSurrogate())
     assert ClippedSurrogate(kl_cov_ratio=0.1, clip_cov_ratio=0.1).requires.zero_advantage_rows
+
+
+# -- Skywork-OR1's adaptive entropy bonus -------------------------------------------------------------------
+
+from grpo_engine.losses import AdaptiveEntropyBonus  # noqa: E402
+from tests.test_loss_family import trl_loss  # noqa: E402
+
+
+def adaptive_reference(entropies, *, target, coef, delta, low, high):
+    """Skywork-OR1 §3.2 with TRL's timing, loops: the α applied at each step and c after it."""
+    applied, last = [], math.inf
+    for h in entropies:
+        applied.append(coef if last <= target else 0.0)
+        coef = min(max(coef + (delta if h <= target else -delta), low), high)
+        last = h
+    return applied, coef
+
+
+def test_adaptive_entropy_coefficient_trajectory():
+    """target 0.2, Δ 0.05, c in [0, 0.12]: entropies 0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.2.
+    c: 0 -> .05 -> .10 -> .12 (capped) -> .12 -> .07 -> .02 -> .07 (0.2 <= target counts as low).
+    α: 0 (nothing measured yet), .05, .10, .12, .12 (the last step was low), 0 (high), 0."""
+    bonus = AdaptiveEntropyBonus(target=0.2, coef=0.0, delta=0.05, coef_max=0.12)
+    entropies = [0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.2]
+    applied = []
+    for h in entropies:
+        applied.append(bonus.applied_coef)
+        bonus.update(h)
+    assert applied == pytest.approx([0.0, 0.05, 0.10, 0.12, 0.12, 0.0, 0.0])
+    assert bonus.coef == pytest.approx(0.07)
+    want, final = adaptive_reference(entropies, target=0.2, coef=0.0, delta=0.05, low=0.0, high=0.12)
+    assert applied == pytest.approx(want) and bonus.coef == pytest.approx(final)
+    saved = bonus.state_dict()
+    fresh = AdaptiveEntropyBonus(target=0.2, coef=0.0, delta=0.05, coef_max=0.12)
+    fresh.load_state_dict(saved)
+    assert (fresh.coef, fresh.last_entropy, repr(fresh)) == (bonus.coef, bonus.last_entropy, repr(bonus))
+
+
+def adaptive_case(seed):
+    _, lp, mask, adv, old, ref = CASES[seed % 2]
+    g = torch.Generator().manual_seed(seed)
+    scale = (0.2, 0.2, 0.8, 0.2, 0.8)[seed]  # token-mean entropies about 0.1, 0.1, 0.4, 0.1, 0.4
+    ent = torch.where(mask, scale * torch.rand(mask.shape, generator=g, dtype=torch.float64), 0.0)
+    return torch.where(mask, lp.detach(), 0.0), mask, adv, torch.where(mask, old, 0.0), ent
+
+
+def ours_adaptive_step(bonus, lp, mask, adv, old, ent):
+    fn = ClippedSurrogate(aggregation="token", terms=(bonus,))
+    x, e = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+    batch = MicroBatch(mask, adv, old, entropy=e)
+    out = fn(x, batch, num_valid_tokens=int(mask.sum()), num_sequences=mask.shape[0])
+    out.loss.backward()
+    metrics = {k: v.item() for k, v in out.metrics.items()}
+    bonus.on_step_end(None, None, None, metrics=metrics)
+    return out.loss.detach(), x.grad, e.grad, metrics
+
+
+@pytest.mark.parametrize("target", [0.15, 0.2, 0.3])
+def test_adaptive_entropy_matches_naive_reference(target):
+    """Five steps: each loss is the clipped token mean minus α_k · (token-mean entropy); ∂/∂H = -α_k/N per
+    valid token; α and c follow the loop."""
+    bonus = AdaptiveEntropyBonus(target=target, coef=0.02, delta=0.01)
+    plain = ClippedSurrogate(aggregation="token")
+    seen = []
+    for step in range(5):
+        lp, mask, adv, old, ent = adaptive_case(step)
+        alpha = bonus.applied_coef
+        loss, _, ent_grad, metrics = ours_adaptive_step(bonus, lp, mask, adv, old, ent)
+        base = plain(lp, MicroBatch(mask, adv, old), num_valid_tokens=int(mask.sum()), num_sequences=8).loss
+        mean_h = sum(sum(r) for r in lists(ent)[0]) / int(mask.sum())
+        want, _ = adaptive_reference(seen + [mean_h], target=target, coef=0.02, delta=0.01, low=0.0, high=1.0)
+        assert alpha == pytest.approx(want[-1])
+        assert loss.item() == pytest.approx(base.item() - alpha * mean_h, rel=1e-12, abs=1e-12)
+        torch.testing.assert_close(ent_grad, torch.where(mask, -alpha / int(mask.sum()), 0.0).double())
+        assert metrics["entropy"] == pytest.approx(mean_h) and metrics["entropy_coef"] == bonus.applied_coef
+        seen.append(mean_h)
+    assert any(want)  # the bonus was on at some step
+
+
+def test_adaptive_entropy_equals_trl_over_steps():
+    """TRL 1.16 ``use_adaptive_entropy=True`` (``entropy_coef`` 0.02, ``entropy_coef_delta`` 0.01,
+    ``entropy_target`` 0.2; one micro-batch a step) for five steps: the same loss, the same gradients
+    (log-probs and entropies) and the same coefficient after each step."""
+    state = dict(coef=0.02, last=math.inf, window=None, ent=None)
+
+    def slot(name):
+        return property(lambda self: state[name], lambda self, value: state.__setitem__(name, value))
+
+    class Trainer(trl_grpo.GRPOTrainer):
+        use_adaptive_entropy = property(lambda self: True)
+        _entropy_bonus_enabled = property(lambda self: True)
+        entropy_coef, _last_world_entropy, _entropy_window_stats = slot("coef"), slot("last"), slot("window")
+
+        @property
+        def _get_per_token_logps_and_entropies(self):
+            inner = self.__dict__["_get_per_token_logps_and_entropies"]
+            return lambda *a, **k: (inner(*a, **k)[0], state["ent"], None)
+
+    bonus = AdaptiveEntropyBonus(target=0.2, coef=0.02, delta=0.01)
+    for step in range(5):
+        lp, mask, adv, old, ent = adaptive_case(step)
+        loss, grad, ent_grad, _ = ours_adaptive_step(bonus, lp, mask, adv, old, ent)
+        x, state["ent"] = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+        trl = trl_loss("dapo", x, mask, adv, old, trainer_cls=Trainer, entropy_target=0.2,
+                       entropy_coef_delta=0.01, entropy_coef_min=0.0, entropy_coef_max=1.0)
+        trl.backward()
+        torch.testing.assert_close(loss, trl.detach(), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(grad, x.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(ent_grad, state["ent"].grad, rtol=1e-10, atol=1e-12)
+        assert bonus.coef == pytest.approx(state["coef"], abs=1e-12)
+        assert bonus.last_entropy == pytest.approx(state["last"], rel=1e-12)
+
+
+def test_adaptive_entropy_errors():
+    with pytest.raises(ValueError, match=r"delta=0 must be > 0.*coef=2.0 must lie in \[coef_min, coef_max\]"):
+        AdaptiveEntropyBonus(target=0.2, coef=2.0, delta=0)
+    bonus = AdaptiveEntropyBonus(target=0.2)
+    assert ClippedSurrogate(terms=(bonus,)).requires.entropy
+    metrics = {}
+    bonus.on_step_end(None, None, None, metrics=metrics)  # nothing measured: no change
+    assert bonus.last_entropy == math.inf and metrics["entropy_coef"] == 0.0

@@ -11,6 +11,7 @@ weights REINFORCE by a Gamma kernel of the sequence ratio (arXiv 2602.10693). Th
 ``kl_k1`` / ``kl_k2`` / ``kl_k3`` live in :mod:`grpo_engine.ops.kl` (re-exported).
 """
 
+from grpo_engine.losses.adaptive_entropy import AdaptiveEntropyBonus
 from grpo_engine.losses.aggregation import AGGREGATIONS, aggregate
 from grpo_engine.losses.cispo import CISPO
 from grpo_engine.losses.clipped import ClippedSurrogate
@@ -36,4 +37,5 @@ from grpo_engine.ops.kl import KL_ESTIMATORS, kl_estimator, kl_k1, kl_k2, kl_k3
 __all__ = ["ClippedSurrogate", "GSPO", "CISPO", "SAPO", "GMPO", "DPPO", "LUSPO", "VESPO",
            "MaskTruncated", "TruncatedIS", "HighEntropyTokens", "KLPenalty", "EntropyBonus",
            "OffPolicySequenceMask", "RatioWeightedKL", "icepop", "ClipCov", "KLCov",
+           "AdaptiveEntropyBonus",
            "AGGREGATIONS", "aggregate", "KL_ESTIMATORS", "kl_estimator", "kl_k1", "kl_k2", "kl_k3"]
