@@ -645,3 +645,95 @@ def test_adaptive_entropy_errors():
     metrics = {}
     bonus.on_step_end(None, None, None, metrics=metrics)  # nothing measured: no change
     assert bonus.last_entropy == math.inf and metrics["entropy_coef"] == 0.0
+
+
+# -- TR-DPO reference sync ----------------------------------------------------------------------------------
+
+from grpo_engine.memory.apply import ReferencePolicy  # noqa: E402
+from grpo_engine.memory.plan import LoRA, MemoryPlan  # noqa: E402
+from grpo_engine.ref_sync import ReferenceSync  # noqa: E402
+
+
+def tiny_policy(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+
+
+def nudge(policy, step):
+    with torch.no_grad():
+        for k, p in enumerate(policy.parameters()):
+            p.add_(0.1 * math.sin(step + k) * torch.ones_like(p) + 0.01 * step)
+
+
+def mix_reference(ref, live, alpha):
+    """θ_ref ← α θ + (1 - α) θ_ref, element by element (TR-DPO, arXiv 2404.09656 eq. 5)."""
+    return [[alpha * x + (1 - alpha) * r for r, x in zip(rs, xs)] for rs, xs in zip(ref, live)]
+
+
+def flat(module):
+    return [p.detach().flatten().tolist() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.0, 0.05])
+def test_reference_mix_equals_loop_and_trl(alpha):
+    policy = tiny_policy()
+    reference = ReferencePolicy(policy, MemoryPlan())
+    nudge(policy, 1)
+    with reference.active() as ref_model:
+        before = flat(ref_model)
+        trl_ref = [p.detach().clone() for p in ref_model.parameters()]
+    want = mix_reference(before, flat(policy), alpha)
+    reference.mix(alpha)
+    with reference.active() as ref_model:
+        got = flat(ref_model)
+        for a, b in zip(got, want):
+            assert a == pytest.approx(b, rel=1e-14, abs=1e-15)
+    copy = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for p, value in zip(copy.parameters(), trl_ref):
+            p.copy_(value)
+    pytest.importorskip("trl.trainer.callbacks").SyncRefModelCallback._sync_target_model(policy, copy, alpha)
+    assert flat(copy) == got  # TRL's own update, bit for bit
+    assert all(not p.requires_grad for p in ref_model.parameters())
+
+
+def test_reference_sync_every_tau_steps_and_resume():
+    """τ = 2, α = 0.5, six steps: the reference moves after steps 2, 4 and 6 only; its checkpoint state
+    restores the moved weights into a new run's reference at train start."""
+    policy = tiny_policy()
+    reference = ReferencePolicy(policy, MemoryPlan())
+    trainer = SimpleNamespace(reference=reference)
+    sync = ReferenceSync(every_steps=2, alpha=0.5)
+    sync.on_init(trainer, None, None)
+    assert sync.state_dict() == {"reference": None}  # nothing moved yet: nothing to keep
+    want = flat(policy)
+    for step in range(1, 7):
+        nudge(policy, step)
+        metrics = {}
+        sync.on_step_end(trainer, SimpleNamespace(step=step), None, metrics=metrics)
+        if step % 2 == 0:
+            want = mix_reference(want, flat(policy), 0.5)
+        assert ("reference/synced" in metrics) == (step % 2 == 0)
+        with reference.active() as ref_model:
+            for a, b in zip(flat(ref_model), want):
+                assert a == pytest.approx(b, rel=1e-13)
+    saved = sync.state_dict()
+    fresh_policy = tiny_policy(seed=1)
+    fresh = SimpleNamespace(reference=ReferencePolicy(fresh_policy, MemoryPlan()))
+    resumed = ReferenceSync(every_steps=2, alpha=0.5)
+    resumed.load_state_dict(saved)
+    resumed.on_init(fresh, None, None)
+    resumed.on_train_start(fresh, None, None)
+    with fresh.reference.active() as ref_model, reference.active() as old_model:
+        assert flat(ref_model) == flat(old_model)
+
+
+def test_reference_sync_errors():
+    with pytest.raises(ValueError, match=r"every_steps=0 must be an int >= 1.*alpha=1.5 must be in \(0, 1\]"):
+        ReferenceSync(every_steps=0, alpha=1.5)
+    with pytest.raises(ValueError, match=r"ReferenceSync: this run has no reference policy"):
+        ReferenceSync().on_init(SimpleNamespace(reference=None), None, None)
+    lora = ReferencePolicy(tiny_policy(), MemoryPlan(lora=LoRA()))
+    with pytest.raises(ValueError, match=r"under LoRA the reference is the policy with its adapters off"):
+        ReferenceSync().on_init(SimpleNamespace(reference=lora), None, None)
+    assert repr(ReferenceSync(64, 1.0)) == "ReferenceSync(every_steps=64, alpha=1.0)"

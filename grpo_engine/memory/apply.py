@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from grpo_engine._quiet import quiet_peft
 
@@ -225,3 +225,25 @@ class ReferencePolicy:
         else:
             with self._policy.disable_adapter():
                 yield self._policy
+
+    def _frozen_copy(self, what: str) -> nn.Module:
+        if self._copy is None:
+            raise ValueError(f"{what} needs a reference copy, but under LoRA the reference is the policy "
+                             "with its adapters off (nothing to move); train without LoRA, or drop the "
+                             "reference sync")
+        return self._copy
+
+    def mix(self, alpha: float) -> None:
+        """θ_ref ← α·θ + (1 - α)·θ_ref, parameter by parameter, in place (TR-DPO's soft update; α = 1 copies
+        the policy). Full fine-tuning only."""
+        with torch.no_grad():
+            pairs = zip(self._frozen_copy("mix").parameters(), self._policy.parameters(), strict=True)
+            for ref, live in pairs:
+                ref.mul_(1.0 - alpha).add_(live.detach().to(ref.dtype), alpha=alpha)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The reference copy's weights (for a checkpoint once :meth:`mix` has moved them)."""
+        return {k: v.detach().clone() for k, v in self._frozen_copy("state_dict").state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self._frozen_copy("load_state_dict").load_state_dict(state)
