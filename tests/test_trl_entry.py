@@ -407,24 +407,130 @@ def test_trainer_arguments_without_an_equivalent_are_refused(argument, value, ti
     assert [p[0] for p in caught.value.problems] == [argument] and "nearest" in str(caught.value)
 
 
-def test_trls_quickstart_runs_with_its_import_line_changed(tiny_folder, tmp_path):
-    """TRL's quickstart as docs/from_trl.md prints it: the dataset, model id and output folder point at
-    local ones, nothing else changes; TRL's run is 3 epochs of 2 prompts, one prompt a step."""
+def _trl_script(name: str, changes: dict[str, str]) -> str:
+    """The TRL script ``name`` as docs/from_trl.md prints it, ``from trl import`` pointed at grpo_engine.trl
+    and each of ``changes`` (a hub name, a folder) made once: nothing else of the script changes."""
     text = (DOCS / "from_trl.md").read_text()
-    code = re.search(r"<!-- not run: TRL's own quickstart, for comparison -->\n```python\n(.*?)```",
-                     text, re.DOTALL).group(1)
-    replaced = (code.replace("from trl import GRPOConfig, GRPOTrainer",
-                             "from grpo_engine.trl import GRPOConfig, GRPOTrainer")
-                .replace('load_dataset("trl-lib/tldr", split="train")', "DATASET")
-                .replace('"Qwen/Qwen2-0.5B-Instruct"', json.dumps(str(tiny_folder)))
-                .replace('output_dir="Qwen2-0.5B-GRPO"', f"output_dir={str(tmp_path / 'run')!r}"))
-    assert replaced.count("grpo_engine.trl") == 1 and replaced.count("DATASET") == 1
-    namespace = {"DATASET": Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"]})}
-    exec(compile(replaced, "docs/from_trl.md", "exec"), namespace)
+    marker = f'<!-- not run: TRL script "{name}", run by tests/test_trl_entry.py through grpo_engine.trl -->'
+    code = re.search(re.escape(marker) + r"\n```python\n(.*?)```", text, re.DOTALL).group(1)
+    changes = {"from trl import": "from grpo_engine.trl import", **changes}
+    for old, new in changes.items():
+        assert code.count(old) == 1, (name, old)
+        code = code.replace(old, new)
+    return code
+
+
+def _run_script(name: str, changes: dict[str, str], namespace: dict | None = None) -> dict:
+    namespace = dict(namespace or {})
+    exec(compile(_trl_script(name, changes), f"docs/from_trl.md ({name})", "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def long_tiny_folder(tmp_path_factory):
+    """The tiny model with room for TRL's 512-token default completions and for tool schemas in the
+    prompt (each character is a token): a 2,048-token context."""
+    from tests.tiny import char_tokenizer, tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-2k")
+    tok = char_tokenizer()
+    model = tiny_llama(len(tok))
+    model.config.max_position_embeddings = 2048
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_trls_length_reward_quickstart_runs_with_its_import_line_changed(tiny_folder, tmp_path):
+    """TRL's earlier quick start (trl-lib/tldr, a length reward): the dataset, model id and output folder
+    point at local ones; TRL's run is 3 epochs of 2 prompts, one prompt a step."""
+    namespace = _run_script("length reward", {
+        'load_dataset("trl-lib/tldr", split="train")': "DATASET",
+        '"Qwen/Qwen2-0.5B-Instruct"': json.dumps(str(tiny_folder)),
+        'output_dir="Qwen2-0.5B-GRPO"': f"output_dir={str(tmp_path / 'run')!r}"},
+        {"DATASET": Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"]})})
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 6 and (tmp_path / "run" / "final").is_dir()
     assert trainer.native.config.group_size == 8 and trainer.native.config.max_completion_tokens == 64
     assert trainer.native.scheduler.get_last_lr()[0] == 0.0  # TRL's linear decay reached its end
+
+
+def test_trls_quick_start_runs_with_its_import_line_changed(long_tiny_folder, tmp_path, monkeypatch):
+    """TRL 1.16's quick start: conversational prompts (a system turn) with a ``solution`` column, scored by
+    ``trl.rewards.accuracy_reward``, no GRPOConfig: TRL's defaults (512-token completions, 8 a prompt, 3
+    epochs) and TRL's output folder, the model's name + "-GRPO" in the working directory."""
+    pytest.importorskip("trl.rewards")
+    monkeypatch.chdir(tmp_path)
+    system = {"role": "system", "content": "Put the final answer in \\boxed{}."}
+    rows = [{"prompt": [system, {"role": "user", "content": "What is 1+1?"}], "solution": "$2$"},
+            {"prompt": [system, {"role": "user", "content": "What is 2*3?"}], "solution": "$6$"}]
+    namespace = _run_script("quick start", {
+        'load_dataset("trl-lib/DeepMath-103K", split="train")': "DATASET",
+        '"Qwen/Qwen2-0.5B-Instruct"': json.dumps(str(long_tiny_folder))},
+        {"DATASET": Dataset.from_list(rows)})
+    trainer = namespace["trainer"]
+    native = trainer.native.config
+    assert trainer.state.global_step == 6 and (native.group_size, native.max_completion_tokens) == (8, 512)
+    assert Path(trainer.args.output_dir) == Path(f"{long_tiny_folder.name}-GRPO")
+    assert (tmp_path / trainer.args.output_dir / "final").is_dir()
+    assert trainer.native.rewards.names == ("accuracy_reward",)
+
+
+def test_the_readmes_trl_example_is_the_tested_quick_start():
+    """README's "Coming from TRL?" block is docs/from_trl.md's quick start with only its import line changed,
+    the code the test above runs."""
+    readme = (DOCS.parent / "README.md").read_text()
+    marker = ("<!-- not run: from_trl.md's \"quick start\", import line changed; tests/test_trl_entry.py "
+              "runs it -->")
+    shown = re.search(re.escape(marker) + r"\n```python\n(.*?)```", readme, re.DOTALL).group(1)
+    assert shown == _trl_script("quick start", {})
+
+
+def test_trls_custom_reward_reading_a_solution_column_runs_as_written(tiny_folder, tmp_path):
+    """TRL's "Using a custom reward function": text prompts, the function takes the ``solution`` column by
+    name (a missing column would stop the run: rewards raise by default); each step logs its score."""
+    out = tmp_path / "run"
+    namespace = _run_script("reference column", {
+        '"Qwen/Qwen2-0.5B-Instruct"': json.dumps(str(tiny_folder)),
+        'output_dir="Qwen2-0.5B-GRPO"': f"output_dir={str(out)!r}"})
+    assert namespace["trainer"].state.global_step == 6  # 3 epochs of 2 prompts
+    records = _records(out)
+    assert len(records) == 6 and all("reward/boxed_solution_reward/mean" in r for r in records)
+    reward = namespace["boxed_solution_reward"]
+    assert reward(completions=["so \\boxed{2}", "\\boxed{4}"], solution=["2", "5"]) == [1.0, 0.0]
+
+
+def _tools_of(trainer) -> list[str]:
+    return [schema["function"]["name"] for schema in trainer.native.sampler.schemas]
+
+
+def test_trls_tools_example_runs_with_its_import_line_changed(long_tiny_folder, tmp_path):
+    """TRL's "Agent Training": ``tools=[multiply, add]`` (``add`` async), conversational prompts; the rollouts
+    offer both tools, and TRL's ``max_tool_calling_iterations=2`` is 3 model turns."""
+    out = tmp_path / "run"
+    namespace = _run_script("tools", {
+        '"Qwen/Qwen3-0.6B"': json.dumps(str(long_tiny_folder)),
+        'output_dir="Qwen3-0.6B-GRPO"': f"output_dir={str(out)!r}"})
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 6 and (out / "final").is_dir()
+    assert _tools_of(trainer) == ["multiply", "add"] and trainer.native.sampler.max_turns == 3
+
+
+def test_trls_environment_factory_example_runs_with_its_import_line_changed(long_tiny_folder, tmp_path):
+    """TRL's ``environment_factory``: one CounterEnv per rollout, its public method ``increment`` the only
+    tool (not ``reset``), the reward reads ``environments`` and the ``goal`` column."""
+    out = tmp_path / "run"
+    namespace = _run_script("environment", {
+        '"Qwen/Qwen3-0.6B"': json.dumps(str(long_tiny_folder)),
+        'output_dir="Qwen3-0.6B-GRPO"': f"output_dir={str(out)!r}"})
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 6 and (out / "final").is_dir()
+    assert _tools_of(trainer) == ["increment"] and trainer.native.sampler.environment_factory is \
+        namespace["CounterEnv"]
 
 
 def _args(tmp_path, **kwargs):
@@ -693,3 +799,56 @@ def test_conversational_data_with_trls_own_reward_functions(tiny_folder, tmp_pat
     assert all("reward/accuracy_reward/mean" in r for r in records)
     assert sorted(r.get("reward/accuracy_reward/none", 0.0) for r in records) == [0.0, 2.0]  # no gold
     assert all(r["reward/think_format_reward/mean"] == 0.0 for r in records)  # a random model never thinks
+
+
+class _ScoredEnv:
+    """An environment that owns its reward (TRL 1.16's ``get_reward``): 0.25 a rollout after ``reset``."""
+
+    def reset(self, **kwargs) -> None:
+        self.score = 0.25
+
+    def step(self, move: int) -> int:
+        """Makes a move.
+
+        Args:
+            move: the move.
+        """
+        return move
+
+    def get_reward(self) -> float:
+        return self.score
+
+
+class _AsyncScoredEnv(_ScoredEnv):
+    async def get_reward(self) -> float:
+        return self.score
+
+
+@pytest.mark.parametrize("env", [_ScoredEnv, _AsyncScoredEnv])
+def test_an_environment_that_owns_its_reward_is_one_more_reward_and_never_a_tool(env, long_tiny_folder,
+                                                                                   tmp_path):
+    """As TRL 1.16: ``get_reward`` (sync or async) scores each rollout under the class's name with weight 1,
+    ``reward_funcs`` may then be left out, and the model is never offered ``get_reward`` as a tool."""
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Move {n}."}] for n in (1, 2)]})
+    trainer = GRPOTrainer(str(long_tiny_folder), args=_args(tmp_path, max_steps=1), train_dataset=data,
+                          environment_factory=env)
+    assert trainer.native.rewards.names == (env.__name__,) and _tools_of(trainer) == ["step"]
+    trainer.train()
+    (record,) = _records(tmp_path / "run")
+    assert record[f"reward/{env.__name__}/mean"] == 0.25 and record["reward/mean"] == 0.25
+
+
+def test_an_async_reward_function_is_awaited(tiny_folder, tmp_path):
+    """TRL 1.16's asynchronous reward functions (``async def``): awaited, their scores used as a plain
+    function's, next to a plain one."""
+    import asyncio
+
+    async def slow_reward(prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [0.5 for _ in completions]
+
+    data = Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"]})
+    GRPOTrainer(str(tiny_folder), [slow_reward, _reward_len], _args(tmp_path, max_steps=1),
+                train_dataset=data).train()
+    (record,) = _records(tmp_path / "run")
+    assert record["reward/slow_reward/mean"] == 0.5 and "reward/_reward_len/mean" in record

@@ -21,6 +21,8 @@ called with keyword arguments, as TRL 1.16's ``GRPOTrainer`` calls it (so ``def 
   (each rollout's messages after the prompt) and ``environments`` (each rollout's environment, or
   None).
 
+An ``async def`` function is awaited (one at a time; TRL awaits several side by side).
+
 A score is a number (``bool`` counts as 0 or 1) or ``None``, "does not apply to this sample": it is left
 out of that sample's weighted sum (the sample's other rewards still count) and out of the reward's
 logged mean, and counted in ``reward/<name>/none``. ``WeightedSum`` (hence the trainer) wraps a plain
@@ -29,6 +31,8 @@ function in :class:`FunctionReward` itself.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -97,11 +101,12 @@ class FunctionReward:
         try:
             extra = {} if episodes is None else {"conversations": [list(e.messages) for e in episodes],
                                                  "environments": [e.environment for e in episodes]}
-            scores = list(self.fn(
+            result = self.fn(
                 prompts=contents, completions=self._completions(prompts, completions, episodes),
                 completion_ids=[list(i) for i in completion_ids] if completion_ids is not None else
                 [[] for _ in completions], trainer_state=trainer_state, log_metric=self._log_metric,
-                log_extra=_log_extra, **columns(prompts), **extra))
+                log_extra=_log_extra, **columns(prompts), **extra)
+            scores = list(_awaited(result) if inspect.isawaitable(result) else result)
         except Exception as exc:
             raise RewardError(f"reward {self.name!r} (function {getattr(self.fn, '__qualname__', self.fn)}) "
                               f"raised {type(exc).__name__} on a batch of {len(completions)} samples: "
@@ -159,3 +164,11 @@ def columns(prompts: Sequence[Prompt]) -> dict[str, list[Any]]:
            if key not in ("prompts", "completions")}
     out["target"] = [p.target for p in prompts]
     return out
+
+
+def _awaited(awaitable: Any) -> Any:
+    """The value of an ``async def`` reward's result, run to completion on a fresh event loop."""
+    async def wait() -> Any:
+        return await awaitable
+
+    return asyncio.run(wait())

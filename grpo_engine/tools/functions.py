@@ -104,11 +104,13 @@ def as_tool(fn: Callable[..., Any]) -> Tool:
 
 
 def environment_tools(environment: object) -> list[Tool]:
-    """The public methods of ``environment`` (not ``reset``, nothing starting with ``_``) as tools, in
-    the order the class defines them (TRL's ``environment_factory`` shape)."""
+    """The public methods of ``environment`` (not ``reset`` or ``get_reward``, nothing starting with ``_``)
+    as tools, in the order the class defines them (TRL's ``environment_factory`` shape: ``get_reward`` scores
+    the rollout, so the model never calls it)."""
     cls = type(environment)
     names = [n for n in dict.fromkeys(n for k in reversed(cls.__mro__) for n in vars(k))
-             if not n.startswith("_") and n != "reset" and inspect.isfunction(getattr(cls, n, None))]
+             if not n.startswith("_") and n not in ("reset", "get_reward")
+             and inspect.isfunction(getattr(cls, n, None))]
     lock = environment_lock(environment)
     return [dataclasses.replace(as_tool(getattr(environment, n)), lock=lock) for n in names]
 

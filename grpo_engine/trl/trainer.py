@@ -22,7 +22,9 @@ trainer, for everything else.
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import inspect
 import json
 import logging
 import os
@@ -114,6 +116,9 @@ class GRPOTrainer:
         if args is None:
             name = model if isinstance(model, (str, Path)) else getattr(model.config, "_name_or_path", "m")
             args = GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
+        env_reward = _environment_reward(environment_factory)
+        if env_reward is not None and reward_funcs is None:  # the environment owns the reward, as in TRL
+            reward_funcs = []
         found = _argument_problems(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes,
                                    callbacks, optimizers, quantization_config, rollout_func)
         if isinstance(environment_factory, dict):
@@ -136,7 +141,8 @@ class GRPOTrainer:
                     if self.run.eval_every_steps is not None else [])
         logged = ([CompletionLog(self.run.config.log_every_steps, args.output_dir,
                                  args.num_completions_to_print)] if args.log_completions else [])
-        self.build = dict(model=model, rewards=_rewards(reward_funcs, args.reward_weights),
+        rewards = _rewards(reward_funcs, args.reward_weights) + (env_reward or [])
+        self.build = dict(model=model, rewards=rewards,
                           prompts=train_dataset, tokenizer=processing_class,
                           callbacks=[*(callbacks or []), *held_out, *logged],
                           tools=tuple(tools or ()), environment_factory=environment_factory)
@@ -385,6 +391,28 @@ def _rewards(reward_funcs: Any, weights: list[float] | None) -> list[Any]:
     if weights is None:
         return funcs
     return [FunctionReward(f, weight=w) for f, w in zip(funcs, weights, strict=True)]
+
+
+def _environment_reward(factory: Any) -> list[FunctionReward] | None:
+    """TRL's ``get_reward``: an environment whose class defines it scores its own rollout, as one more reward
+    named after the class, weight 1 (a rollout of another class gets None); an ``async`` one is awaited.
+    None when there is no such method (the class is probed with one instance when the factory is a
+    function, as TRL does)."""
+    if factory is None or isinstance(factory, dict):
+        return None
+    cls = factory if isinstance(factory, type) else type(factory())
+    method = getattr(cls, "get_reward", None)
+    if not callable(method):
+        return None
+
+    def own(env: Any) -> Any:
+        return asyncio.run(env.get_reward()) if inspect.iscoroutinefunction(method) else env.get_reward()
+
+    def reward(environments: list[Any], **kwargs: Any) -> list[Any]:
+        return [own(env) if type(env) is cls else None for env in environments]
+
+    reward.__name__ = reward.__qualname__ = cls.__name__
+    return [FunctionReward(reward, weight=1.0)]
 
 
 def _length(dataset: Any) -> int | None:
