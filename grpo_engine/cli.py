@@ -96,7 +96,7 @@ def _train_help() -> str:
 def _train(args: argparse.Namespace) -> int:
     from grpo_engine import checkpoint
     from grpo_engine.data.errors import DataError
-    from grpo_engine.spec import BuildError, RunSpec, build
+    from grpo_engine.spec import BuildError, RunSpec, build, rewards_of
 
     path = args.config
     try:
@@ -125,7 +125,7 @@ def _train(args: argparse.Namespace) -> int:
         if isinstance(prompts, tuple) and len(prompts) == 2:
             prompts = prompts[0]
         trainer = GRPOTrainer(
-            spec.model, [build(r) for r in spec.rewards], prompts, config=spec.config, memory=spec.memory,
+            spec.model, rewards_of(spec), prompts, config=spec.config, memory=spec.memory,
             advantage=build(spec.advantage) if spec.advantage else None,
             loss=build(spec.loss) if spec.loss else None,
             template=build(spec.template) if spec.template else None,

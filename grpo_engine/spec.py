@@ -29,7 +29,7 @@ from grpo_engine.config import ConfigError, FrozenModel, GRPOConfig, format_vali
 from grpo_engine.memory.plan import MemoryPlan
 
 __all__ = ["BuildError", "ComponentSpec", "ConfigError", "RunSpec", "build", "format_validation_error",
-           "trusted"]
+           "rewards_of", "trusted"]
 
 
 class ComponentSpec(FrozenModel):
@@ -78,6 +78,11 @@ class RunSpec(FrozenModel):
     train_prompts: ComponentSpec = Field(
         description="A function returning the training prompts (a (train, test) pair uses train).")
     rewards: list[ComponentSpec] = Field(description="Reward components; their weights combine them.")
+    reward_normalize: Literal["after_sum", "each"] = Field(
+        "after_sum", description="How the rewards combine (WeightedSum's normalize): 'after_sum' sums the "
+        "raw scores; 'each' z-scores each reward in its group first (GDPO, with advantage "
+        "grpo_engine.advantages.ReinforcePlusPlusBaseline).")
+    reward_eps: float = Field(1e-6, ge=0, description="eps of 'each' (TRL's normalize_then_sum: 1e-4).")
     advantage: ComponentSpec | None = Field(None, description="AdvantageFn; default group z-score.")
     loss: ComponentSpec | None = Field(None, description="GRPOLoss; default ClippedSurrogate().")
     template: ComponentSpec | None = Field(None, description="Prompt template; default the chat template.")
@@ -146,6 +151,17 @@ def build(spec: ComponentSpec) -> Any:
         return getattr(module, attr)(**spec.kwargs)
     except (TypeError, ValueError) as exc:
         raise BuildError(f"cannot build {spec.target} with {spec.kwargs}: {exc}") from exc
+
+
+def rewards_of(spec: RunSpec) -> Any:
+    """The run's rewards: the built list, or a ``WeightedSum`` of it when ``reward_normalize`` /
+    ``reward_eps`` are not the defaults (GDPO: ``reward_normalize: each``, ``reward_eps: 1e-4``)."""
+    rewards = [build(r) for r in spec.rewards]
+    if spec.reward_normalize == "after_sum" and spec.reward_eps == 1e-6:
+        return rewards
+    from grpo_engine.rewards.compose import WeightedSum
+
+    return WeightedSum(rewards, normalize=spec.reward_normalize, eps=spec.reward_eps)
 
 
 def _closest_module(name: str) -> str:

@@ -737,3 +737,38 @@ def test_reference_sync_errors():
     with pytest.raises(ValueError, match=r"under LoRA the reference is the policy with its adapters off"):
         ReferenceSync().on_init(SimpleNamespace(reference=lora), None, None)
     assert repr(ReferenceSync(64, 1.0)) == "ReferenceSync(every_steps=64, alpha=1.0)"
+
+
+# -- By name in a run file -----------------------------------------------------------------------------------
+
+def test_run_file_names_every_new_piece():
+    """A YAML run file reaches each piece by import path and keywords; GDPO through reward_normalize /
+    reward_eps (a WeightedSum), the rest as components."""
+    import yaml
+
+    from grpo_engine.advantages import MaxRL
+    from grpo_engine.spec import RunSpec, build, rewards_of
+
+    text = """
+model: some/model
+train_prompts: {function: grpo_engine.data.load_gsm8k, path: x.jsonl}
+rewards: [{class: grpo_engine.rewards.MathAccuracy}, {class: grpo_engine.rewards.BoxedFormat, weight: 0.1}]
+reward_normalize: each
+reward_eps: 1.0e-4
+advantage: {class: grpo_engine.advantages.MaxRL}
+loss: {class: grpo_engine.losses.ClippedSurrogate, aggregation: token, kl_coef: 0.01, kl_ratio_weighted: true,
+       off_policy_mask_threshold: 0.5, tis_cap: 5.0, tis_cap_min: 0.5, tis_mode: token_mask,
+       clip_cov_ratio: 2.0e-4, kl_cov_ratio: 2.0e-4, kl_cov_coef: 1.0}
+callbacks: [{class: grpo_engine.ref_sync.ReferenceSync, every_steps: 64, alpha: 0.6}]
+"""
+    spec = RunSpec.model_validate(yaml.safe_load(text))
+    combined = rewards_of(spec)
+    assert isinstance(combined, WeightedSum) and (combined.normalize, combined.eps) == ("each", 1e-4)
+    assert isinstance(build(spec.advantage), MaxRL)
+    loss = build(spec.loss)
+    kinds = [type(t).__name__ for t in loss._terms]
+    assert kinds == ["TruncatedIS", "OffPolicySequenceMask", "ClipCov", "KLCov", "RatioWeightedKL"]
+    assert isinstance(build(spec.callbacks[0]), ReferenceSync)
+    plain = RunSpec.model_validate({**yaml.safe_load(text), "reward_normalize": "after_sum",
+                                    "reward_eps": 1e-6})
+    assert isinstance(rewards_of(plain), list)
