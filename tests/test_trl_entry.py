@@ -23,7 +23,7 @@ from grpo_engine.trl import GRPOConfig, GRPOTrainer, TRLSettingError
 from grpo_engine.trl.fields import TRL_FIELDS, TRL_TYPES, TRL_VERSION
 from grpo_engine.trl.mapping import Schedule, VLLMPlan, native_run
 from grpo_engine.trl.refused import MAPPED, REFUSED
-from grpo_engine.trl.trainer import trl_scheduler
+from grpo_engine.trl.trainer import trl_rewards, trl_scheduler
 from grpo_engine.types import MicroBatch
 from tests.trl_types import type_text
 
@@ -261,19 +261,34 @@ def test_the_bias_corrected_kl_has_the_ratios_gradient():
                                     {"beta": 0.04, "use_bias_correction_kl": False, "loss_type": "luspo",
                                      "importance_sampling_level": "sequence", "epsilon": 0.1},
                                     {"beta": 0.04, "use_bias_correction_kl": False, "loss_type": "vespo",
-                                     "vespo_k_pos": 1.5, "vespo_lambda_neg": 2.5}])
+                                     "vespo_k_pos": 1.5, "vespo_lambda_neg": 2.5},
+                                    {"beta": 0.04, "loss_type": "grpo", "off_policy_mask_threshold": 0.0},
+                                    {"beta": 0.04, "entropy_coef": 0.05},
+                                    {"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate",
+                                     "vllm_importance_sampling_clip_min": 0.9,
+                                     "vllm_importance_sampling_clip_max": 1.2},
+                                    {"use_vllm": True, "vllm_importance_sampling_clip_min": 0.8,
+                                     "off_policy_mask_threshold": 0.0, "beta": 0.04},
+                                    {"use_vllm": True, "vllm_importance_sampling_mode": "token_mask",
+                                     "vllm_importance_sampling_clip_min": 0.9,
+                                     "vllm_importance_sampling_clip_max": None}])
 def test_the_loss_is_trls_compute_loss(kwargs):
-    """TRL 1.16's compute_loss written out in float64 (token level, clip, KL times the ratio when
-    use_bias_correction_kl, then its loss_type's aggregation): the same value and gradient, off-policy."""
+    """TRL 1.16's compute_loss written out in float64 (token level, clip, TRL's own off-policy sequence mask
+    and vLLM importance ratio (its own lines, with clip_min), KL times the ratio when use_bias_correction_kl,
+    its loss_type's aggregation, minus entropy_coef times the token-mean entropy): the same value and
+    gradient, off-policy."""
     torch.manual_seed(0)
     mask = torch.tensor([[True, True, False], [True, True, True]])
     old = -torch.rand(2, 3, dtype=torch.float64)
     logp = (old + 0.3 * torch.randn(2, 3, dtype=torch.float64)).requires_grad_()
     ref = old + 0.2 * torch.randn(2, 3, dtype=torch.float64)
     adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    entropy = torch.rand(2, 3, dtype=torch.float64)
     args = GRPOConfig(max_completion_length=3, bf16=False, **kwargs)
+    sampler = old + 0.3 * torch.sin(7 * old) if args.use_vllm else None  # the sampler's log-probs
     loss_fn = native_run(args, num_prompts=8, context_tokens=4096, device_bf16=False).loss
-    batch = MicroBatch(completion_mask=mask, advantages=adv, old_logprobs=old, ref_logprobs=ref)
+    batch = MicroBatch(completion_mask=mask, advantages=adv, old_logprobs=old, ref_logprobs=ref,
+                       entropy=entropy, sampler_logprobs=sampler)
     ours = loss_fn(logp, batch, num_valid_tokens=5, num_sequences=2).loss
     (grad,) = torch.autograd.grad(ours, logp)
     log_ratio = logp - old
@@ -291,6 +306,17 @@ def test_the_loss_is_trls_compute_loss(kwargs):
         tau = torch.where(adv[:, None] > 0, torch.tensor(args.sapo_temperature_pos, dtype=torch.float64),
                           torch.tensor(args.sapo_temperature_neg, dtype=torch.float64))
         per_token = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv[:, None]
+    if args.off_policy_mask_threshold is not None:  # TRL's own mask (a static method); it drops row 2 here
+        keep = _trl().GRPOTrainer.get_off_policy_mask(adv[:, None], logp, old if sampler is None else sampler,
+                                                      mask.double(), args.off_policy_mask_threshold)
+        assert keep.flatten().tolist() == [1.0, 0.0]
+        per_token = per_token * keep
+    if args.use_vllm:  # TRL's own importance-ratio lines (tests/test_loss_family_2.py runs them)
+        from tests.test_loss_family_2 import trl_is_ratio
+
+        per_token = per_token * trl_is_ratio(old, sampler, mask, args.vllm_importance_sampling_mode,
+                                             args.vllm_importance_sampling_clip_min,
+                                             args.vllm_importance_sampling_clip_max)
     kl = torch.exp(ref - logp) - (ref - logp) - 1
     per_token = per_token + args.beta * (kl * coef_1 if args.use_bias_correction_kl else kl)
     if args.loss_type in ("grpo", "sapo"):
@@ -301,6 +327,7 @@ def test_the_loss_is_trls_compute_loss(kwargs):
         theirs = (per_token * mask).sum() / (2 * args.max_completion_length)
     else:
         theirs = (per_token * mask).sum() / mask.sum()
+    theirs = theirs - args.entropy_coef * (entropy * mask).sum() / mask.sum()  # one micro-batch: its mean
     (expected,) = torch.autograd.grad(theirs, logp)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
     assert torch.allclose(grad, expected, rtol=1e-10, atol=1e-12)
@@ -317,6 +344,104 @@ def test_the_advantage_is_trls(scale):
     std = {"group": rewards.std(dim=1, keepdim=True), "batch": rewards.std(), "none": None}[scale]
     theirs = centered if std is None else centered / (std + 1e-4)
     assert torch.allclose(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_normalize_then_sum_is_trls_gdpo():
+    """multi_objective_aggregation='normalize_then_sum': each reward z-scored in its group (eps 1e-4), summed
+    by weight, the sum whitened over the step (eps 1e-4; scale_rewards unused, as in TRL): the advantages of
+    TRL's own lines, with a reward equal within a group (it adds 0 there)."""
+    from grpo_engine.rewards.compose import WeightedSum
+    from tests.test_loss_family_2 import trl_normalize_then_sum
+    from tests.test_rewards import Fixed, Q, make_batch
+
+    r = run(multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
+    assert (type(r.advantage).__name__, r.advantage.eps, r.reward_normalize) == (
+        "ReinforcePlusPlusBaseline", 1e-4, "each")
+    assert "returns None for some completions stops the run" in r.notes[-1]
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.stack([torch.randint(0, 2, (12,), generator=gen).double(),
+                          10 * torch.rand(12, generator=gen, dtype=torch.float64)], dim=1)
+    scores[:4, 0] = 1.0
+    weights = [1.0, -0.5]
+    rewards = [Fixed(f"r{j}", scores[:, j].tolist(), weight=w) for j, w in enumerate(weights)]
+    combined = trl_rewards(r, rewards)  # what build_native gives the native trainer
+    assert isinstance(combined, WeightedSum) and (combined.normalize, combined.eps) == ("each", 1e-4)
+    ours = r.advantage(combined(make_batch([Q] * 3, ["x"] * 12, group_size=4)).total).flatten().double()
+    theirs = trl_normalize_then_sum(scores, torch.tensor(weights, dtype=torch.float64), 4)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert trl_rewards(run(), rewards) is rewards  # sum_then_normalize: summed by weight as they are
+
+
+def test_adaptive_entropy_is_trls_controller_as_a_loss_term_and_a_callback():
+    """use_adaptive_entropy, entropy_coef 0.02, delta 0.01, target 0.3, c in [0.01, 0.04]: one
+    AdaptiveEntropyBonus, the loss's term and the run's callback. Entropies 0.1, 0.1, 0.5, 0.1 over four steps
+    of one token-mean micro-batch (A = 1, on-policy: the policy term is -1); TRL applies c when the previous
+    step's entropy was <= 0.3 and then moves c by 0.01 within the bounds: α = 0, .03, .04, 0 and c = .03,
+    .04, .03, .04, so the losses are -1 - α·H."""
+    r = run(use_adaptive_entropy=True, entropy_coef=0.02, entropy_coef_delta=0.01, entropy_target=0.3,
+            entropy_coef_min=0.01, entropy_coef_max=0.04)
+    (bonus,) = r.callbacks
+    assert r.loss.terms == (bonus,) and r.loss.entropy_coef == 0.0
+    assert (bonus.target, bonus.start_coef, bonus.delta, bonus.coef_min, bonus.coef_max) == (
+        0.3, 0.02, 0.01, 0.01, 0.04)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    losses, coefs = [], []
+    for h in (0.1, 0.1, 0.5, 0.1):
+        batch = MicroBatch(completion_mask=mask, advantages=torch.ones(1, dtype=torch.float64),
+                           entropy=torch.full((1, 4), h, dtype=torch.float64))
+        out = r.loss(torch.zeros(1, 4, dtype=torch.float64), batch, num_valid_tokens=4, num_sequences=1)
+        losses.append(out.loss.item())
+        metrics = {k: v.item() for k, v in out.metrics.items()}
+        bonus.on_step_end(None, None, None, metrics=metrics)
+        coefs.append(bonus.coef)
+    want = [-1 - alpha * h for alpha, h in zip((0.0, 0.03, 0.04, 0.0), (0.1, 0.1, 0.5, 0.1))]
+    assert losses == pytest.approx(want, rel=1e-12) and coefs == pytest.approx([0.03, 0.04, 0.03, 0.04])
+    static = run(entropy_coef=0.05)
+    assert (static.loss.entropy_coef, static.loss.terms, static.callbacks) == (0.05, (), ())
+
+
+def test_sync_ref_model_is_reference_sync_every_tau_of_trls_steps():
+    """sync_ref_model (beta > 0, full fine-tuning) -> ReferenceSync(alpha=ref_model_mixup_alpha). TRL mixes
+    after optimizer steps 6, 12, 18 (ref_model_sync_steps=6); with num_iterations=2 each native step is two
+    of them, so the sync comes every 3 native steps: 3, 6, 9. TRL's refusals (beta=0.0, peft_config) hold."""
+    r = run(beta=0.04, sync_ref_model=True, ref_model_mixup_alpha=0.5, ref_model_sync_steps=6,
+            num_iterations=2)
+    (sync,) = r.callbacks
+    assert (type(sync).__name__, sync.every_steps, sync.alpha) == ("ReferenceSync", 3, 0.5)
+    trl_syncs = [k for k in range(1, 19) if k % 6 == 0]
+    assert [step * 2 for step in range(1, 10) if step % sync.every_steps == 0] == trl_syncs
+    default = run(beta=0.04, sync_ref_model=True).callbacks[0]
+    assert (default.every_steps, default.alpha) == (512, 0.6) and run(beta=0.04).callbacks == ()
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    with pytest.raises(TRLSettingError, match=r"sync_ref_model=True: under peft_config .*TRL refuses it too"):
+        native_run(GRPOConfig(beta=0.04, sync_ref_model=True, bf16=False), num_prompts=100,
+                   context_tokens=4096, device_bf16=False, lora=lora)
+
+
+def test_the_new_mappings_reach_the_native_trainer(tiny_folder, tmp_path):
+    """A TRL run with sync_ref_model (every step, alpha 1: the reference becomes the policy),
+    use_adaptive_entropy and normalize_then_sum trains two steps: the native trainer has the WeightedSum,
+    the ReinforcePlusPlusBaseline, the bonus and the sync as callbacks, and logs each."""
+    def longer(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    data = Dataset.from_dict({"prompt": ["Sum 1 and 2", "Sum 3 and 4"]})
+    args = _args(tmp_path, max_steps=2, beta=0.04, sync_ref_model=True, ref_model_sync_steps=1,
+                 ref_model_mixup_alpha=1.0, use_adaptive_entropy=True, entropy_coef=0.01,
+                 multi_objective_aggregation="normalize_then_sum", learning_rate=1e-3)
+    trainer = GRPOTrainer(str(tiny_folder), [_reward_len, longer], args, train_dataset=data)
+    native = trainer.native
+    assert (native.rewards.normalize, native.rewards.eps) == ("each", 1e-4)
+    assert type(native.advantage).__name__ == "ReinforcePlusPlusBaseline"
+    assert [type(c).__name__ for c in native.callbacks][-2:] == ["AdaptiveEntropyBonus", "ReferenceSync"]
+    trainer.train()
+    last = native.history[-1]
+    assert last["reference/synced"] == 1.0 and "entropy_coef" in last
+    with native.reference.active() as reference:
+        for ours, theirs in zip(native.model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(ours, theirs)
 
 
 def test_precision_follows_trl():
@@ -370,6 +495,26 @@ def test_each_refused_field_names_itself_why_and_the_nearest(name):
     ({"max_completion_length": None}, "max_completion_length", "512"),
     ({"model_init_kwargs": {"attn_implementation": "sdpa"}}, "model_init_kwargs", "'dtype'"),
     ({"loss_type": "grpo", "mask_truncated_completions": True}, "mask_truncated_completions", "'dapo'"),
+    ({"multi_objective_aggregation": "mean"}, "multi_objective_aggregation", "'sum_then_normalize'"),
+    ({"entropy_coef": 0.01, "loss_type": "grpo"}, "entropy_coef", "loss_type='dapo'"),
+    ({"entropy_coef": 0.01, "loss_type": "sapo"}, "entropy_coef", "loss_type='dapo'"),
+    ({"entropy_coef": -0.01}, "entropy_coef", "entropy_coef > 0"),
+    ({"use_adaptive_entropy": True, "gradient_accumulation_steps": 2}, "use_adaptive_entropy",
+     "gradient_accumulation_steps=1"),
+    ({"entropy_coef": 0.01, "top_entropy_quantile": 0.5}, "entropy_coef", "top_entropy_quantile=1.0"),
+    ({"use_adaptive_entropy": True, "num_iterations": 2}, "use_adaptive_entropy", "num_iterations=1"),
+    ({"use_adaptive_entropy": True, "entropy_coef": 2.0}, "use_adaptive_entropy", "entropy_coef_max"),
+    ({"off_policy_mask_threshold": 0.5, "loss_type": "cispo", "epsilon_high": 5.0},
+     "off_policy_mask_threshold", "loss_type='dapo'"),
+    ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold", "None (off)"),
+    ({"use_vllm": True, "loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask",
+      "vllm_importance_sampling_clip_min": 0.5}, "vllm_importance_sampling_clip_min", "None"),
+    ({"use_vllm": True, "vllm_importance_sampling_mode": "token_mask",
+      "vllm_importance_sampling_clip_max": None}, "vllm_importance_sampling_clip_max", "3.0"),
+    ({"sync_ref_model": True}, "sync_ref_model", "beta > 0"),
+    ({"sync_ref_model": True, "beta": 0.04, "num_iterations": 2, "ref_model_sync_steps": 5},
+     "ref_model_sync_steps", "a positive multiple of 2"),
+    ({"sync_ref_model": True, "beta": 0.04, "ref_model_mixup_alpha": 1.5}, "ref_model_mixup_alpha", "0.6"),
 ])
 def test_settings_without_an_equivalent_are_refused_by_name(kwargs, field, words):
     with pytest.raises(TRLSettingError) as caught:

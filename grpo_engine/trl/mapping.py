@@ -13,21 +13,29 @@ here, each with why and the nearest setting.
   ceil(steps / num_iterations). ``max_steps=-1`` runs ``num_train_epochs`` over the dataset as TRL counts
   them: ceil(epochs x (len(dataset) // prompts_per_step) x num_iterations) optimizer steps.
 - The loss (``loss_type``; TRL's clip ``epsilon`` / ``epsilon_high``, ``delta``, ``beta``: with
-  ``use_bias_correction_kl`` the KL times the ratio, :class:`~grpo_engine.losses.terms.RatioWeightedKL`):
+  ``use_bias_correction_kl`` the KL times the ratio, ``ClippedSurrogate(kl_ratio_weighted=True)``):
   grpo -> the per-sequence mean, dapo -> the token mean over the step, dr_grpo -> the token sum over N x
   max_completion_length, bnpo -> dapo's where one micro-batch is the whole step (else refused), cispo ->
   :class:`~grpo_engine.losses.cispo.CISPO` (TRL caps the weight at epsilon_high, here at 1 + clip_eps_high),
   ``importance_sampling_level="sequence"`` with grpo -> :class:`~grpo_engine.losses.gspo.GSPO`, sapo ->
   :class:`~grpo_engine.losses.sapo.SAPO` (``sapo_temperature_pos`` / ``_neg``), luspo -> at sequence level
   :class:`~grpo_engine.losses.luspo.LUSPO`, at token level the token sum over the completions, vespo ->
-  :class:`~grpo_engine.losses.vespo.VESPO` (``vespo_k_pos`` ...).
-- The advantage: ``scale_rewards`` -> ``GroupNormalized(std_scope=..., eps=1e-4)`` (TRL's 1e-4 on the std).
+  :class:`~grpo_engine.losses.vespo.VESPO` (``vespo_k_pos`` ...). ``off_policy_mask_threshold`` ->
+  ``ClippedSurrogate(off_policy_mask_threshold=...)``; ``entropy_coef`` ->
+  ``ClippedSurrogate(entropy_coef=...)``, with ``use_adaptive_entropy`` an ``AdaptiveEntropyBonus`` term and
+  callback (``entropy_coef_min`` ...), where TRL's per-micro-batch token mean is the loss's (dapo, one
+  micro-batch a step; else refused).
+- The advantage: ``scale_rewards`` -> ``GroupNormalized(std_scope=..., eps=1e-4)`` (TRL's 1e-4 on the std);
+  ``multi_objective_aggregation="normalize_then_sum"`` -> ``WeightedSum(normalize="each", eps=1e-4)`` and
+  ``ReinforcePlusPlusBaseline(eps=1e-4)`` (GDPO).
+- The reference: ``sync_ref_model`` -> a ``ReferenceSync(every_steps=ref_model_sync_steps / num_iterations,
+  alpha=ref_model_mixup_alpha)`` callback (full fine-tuning with beta > 0, as TRL requires).
 - Precision: ``bf16`` -> ``MemoryPlan(compute_dtype="bfloat16")`` over float32 weights (TRL's default
   load); where TRL would refuse (no bf16 GPU and ``use_cpu=False``) the run computes in float32, with a note.
 - vLLM (``use_vllm``): ``vllm_mode="colocate"`` -> :class:`~grpo_engine.sampling.vllm.VLLMSampler`
   (``vllm_gpu_memory_utilization``, ``vllm_enable_sleep_mode``, ``vllm_model_impl``), ``"server"`` ->
   :class:`~grpo_engine.sampling.vllm_server.VLLMServerSampler` at ``vllm_server_base_url`` (or host and
-  port); ``vllm_importance_sampling_*`` -> ``ClippedSurrogate(tis_cap=..., tis_mode=...)``;
+  port); ``vllm_importance_sampling_*`` -> ``ClippedSurrogate(tis_cap=..., tis_mode=..., tis_cap_min=...)``;
   ``vllm_max_model_length`` is the context the prompt limit is taken from.
 - Prompts are never cut, as in TRL: ``max_prompt_tokens`` is the model's context less
   ``max_completion_length`` and a longer prompt stops the build, and sampling uses the dynamic decoding loop
@@ -40,16 +48,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_engine.advantages import GroupNormalized
+from grpo_engine.advantages import GroupNormalized, ReinforcePlusPlusBaseline
 from grpo_engine.config import GRPOConfig as NativeConfig
+from grpo_engine.losses.adaptive_entropy import AdaptiveEntropyBonus
 from grpo_engine.losses.cispo import CISPO
 from grpo_engine.losses.clipped import ClippedSurrogate
 from grpo_engine.losses.gspo import GSPO
 from grpo_engine.losses.luspo import LUSPO
 from grpo_engine.losses.sapo import SAPO
-from grpo_engine.losses.terms import RatioWeightedKL
 from grpo_engine.losses.vespo import VESPO
 from grpo_engine.memory.plan import MemoryPlan
+from grpo_engine.ref_sync import ReferenceSync
 from grpo_engine.trl.errors import Problem, TRLSettingError, problem
 from grpo_engine.trl.fields import TRL_FIELDS
 from grpo_engine.trl.refused import REFUSED
@@ -79,17 +88,22 @@ class VLLMPlan:
 
 @dataclass(frozen=True)
 class NativeRun:
-    """What a TRL config means here: the native records and components, and the notes to log."""
+    """What a TRL config means here: the native records and components, and the notes to log.
+    ``reward_normalize`` is the ``WeightedSum(normalize=...)`` of the rewards (``"each"``, with eps 1e-4,
+    under TRL's ``normalize_then_sum``); ``callbacks`` join the trainer's (ReferenceSync, an adaptive
+    entropy bonus: the loss term that is also a callback)."""
 
     config: NativeConfig
     memory: MemoryPlan
     loss: Any
-    advantage: GroupNormalized
+    advantage: Any
     schedule: Schedule
     eval_every_steps: int | None
     reward_weights: list[float] | None
     notes: tuple[str, ...] = ()
     vllm: VLLMPlan | None = None
+    reward_normalize: str = "after_sum"
+    callbacks: tuple[Any, ...] = ()
 
 
 def changed_fields(args: Any) -> set[str]:
@@ -140,6 +154,9 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
     steps = max(1, math.ceil(trl_steps / mu))
     memory, notes = _memory(args, device_bf16, lora, quantization, model_dtype, found)
     loss = _loss(args, found)
+    callbacks = [t for t in getattr(loss, "terms", ()) if isinstance(t, AdaptiveEntropyBonus)]
+    callbacks += _reference_sync(args, lora, found)
+    gdpo = _aggregation(args, found, notes)
     vllm = _vllm(args, found, notes) if args.use_vllm else None
     if vllm is not None and args.vllm_max_model_length is not None:
         context_tokens = args.vllm_max_model_length  # TRL's context for vLLM: prompt and completion
@@ -171,10 +188,55 @@ def native_run(args: Any, *, num_prompts: int | None, context_tokens: int | None
     if found:
         raise TRLSettingError(found)
     scale = {"group": "group", "batch": "batch", "none": "none"}[args.scale_rewards]
-    return NativeRun(config=NativeConfig(**native), memory=memory, loss=loss,
-                     advantage=GroupNormalized(std_scope=scale, eps=1e-4), schedule=schedule,
-                     eval_every_steps=eval_every, reward_weights=args.reward_weights, notes=tuple(notes),
-                     vllm=vllm)
+    advantage = ReinforcePlusPlusBaseline(eps=1e-4) if gdpo else GroupNormalized(std_scope=scale, eps=1e-4)
+    return NativeRun(config=NativeConfig(**native), memory=memory, loss=loss, advantage=advantage,
+                     schedule=schedule, eval_every_steps=eval_every, reward_weights=args.reward_weights,
+                     notes=tuple(notes), vllm=vllm, reward_normalize="each" if gdpo else "after_sum",
+                     callbacks=tuple(callbacks))
+
+
+def _aggregation(args: Any, found: list[Problem], notes: list[str]) -> bool:
+    """TRL's ``multi_objective_aggregation``: ``"sum_then_normalize"`` (False: the weighted sum, then
+    ``scale_rewards``' GroupNormalized) or ``"normalize_then_sum"`` (True: GDPO, each reward z-scored in its
+    group with eps 1e-4, ``WeightedSum(normalize="each", eps=1e-4)``, the sum whitened over the step,
+    ``ReinforcePlusPlusBaseline(eps=1e-4)``; TRL ignores ``scale_rewards`` there too)."""
+    kind = args.multi_objective_aggregation
+    if kind not in ("sum_then_normalize", "normalize_then_sum"):
+        found.append(problem("multi_objective_aggregation", kind, "not one of TRL's 'sum_then_normalize', "
+                             "'normalize_then_sum'", "'sum_then_normalize' (TRL's default)"))
+        return False
+    if kind == "normalize_then_sum":
+        notes.append("multi_objective_aggregation='normalize_then_sum': a reward function that returns None "
+                     "for some completions stops the run here (TRL leaves them out of that reward's group "
+                     "mean and std)")
+    return kind == "normalize_then_sum"
+
+
+def _reference_sync(args: Any, lora: Any, found: list[Problem]) -> list[ReferenceSync]:
+    """TRL's ``sync_ref_model`` (TR-DPO): ``ReferenceSync(every_steps=ref_model_sync_steps / num_iterations,
+    alpha=ref_model_mixup_alpha)``, TRL's sync after every tau optimizer steps; full fine-tuning with a KL, as
+    in TRL, which refuses the others too."""
+    if not args.sync_ref_model:
+        return []
+    tau, mu, alpha = args.ref_model_sync_steps, args.num_iterations, args.ref_model_mixup_alpha
+    if not args.beta:
+        refusal = ("sync_ref_model", True, "beta=0.0 uses no reference policy, so there is nothing to sync "
+                   "(TRL refuses it too)", "beta > 0 (e.g. 0.04), or sync_ref_model=False")
+    elif lora is not None:
+        refusal = ("sync_ref_model", True, "under peft_config the reference is the base model with the "
+                   "adapter off, not a copy to move (TRL refuses it too)",
+                   "full fine-tuning (no peft_config), or sync_ref_model=False")
+    elif not 0 < alpha <= 1:
+        refusal = ("ref_model_mixup_alpha", alpha, "the policy's weight in the mix lies in (0, 1] (1 copies "
+                   "it)", "ref_model_mixup_alpha=0.6 (TRL's default)")
+    elif tau < 1 or tau % mu:
+        refusal = ("ref_model_sync_steps", tau, f"TRL syncs after every {tau} optimizer steps, here at the "
+                   f"end of a generation batch of num_iterations={mu} updates",
+                   f"ref_model_sync_steps a positive multiple of {mu}")
+    else:
+        return [ReferenceSync(every_steps=tau // mu, alpha=alpha)]
+    found.append(problem(*refusal))
+    return []
 
 
 def _vllm(args: Any, found: list[Problem], notes: list[str]) -> VLLMPlan | None:
@@ -402,6 +464,10 @@ def _loss(args: Any, found: list[Problem]) -> Any:
                                  "vllm_importance_sampling_mode='token_truncate' or 'token_mask'"))
             tis = {}
         found += _unsupported_terms(args, "VESPO", {})
+        if tis.pop("tis_cap_min", None) is not None:
+            found.append(problem("vllm_importance_sampling_clip_min", args.vllm_importance_sampling_clip_min,
+                                 "VESPO here caps the sampler's ratio from above only",
+                                 "vllm_importance_sampling_clip_min=None (TRL's default)"))
         return VESPO(k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
                      lambda_neg=args.vespo_lambda_neg, kl_coef=beta, **tis)
     if kind == "sapo":
@@ -422,32 +488,95 @@ def _loss(args: Any, found: list[Problem]) -> Any:
                              "a masked completion in the rows it divides by; here a masked completion leaves "
                              "the step's counts", "loss_type='dapo' (the same in both: masked tokens leave "
                              "the token count)"))
-    return ClippedSurrogate(clip_eps_low=low, clip_eps_high=high, kl_coef=0.0 if weighted_kl else beta,
-                            terms=(RatioWeightedKL(beta),) if weighted_kl else (), aggregation=aggregation,
+    threshold = args.off_policy_mask_threshold
+    if threshold is not None and not threshold >= 0:
+        found.append(problem("off_policy_mask_threshold", threshold, "the mask's threshold is a mean "
+                             "log-ratio >= 0 here", "off_policy_mask_threshold=0.5, or None (off)"))
+        threshold = None
+    return ClippedSurrogate(clip_eps_low=low, clip_eps_high=high, kl_coef=beta, kl_ratio_weighted=weighted_kl,
+                            aggregation=aggregation,
                             max_completion_tokens={"dr_grpo": args.max_completion_length,
                                                    "luspo": 1}.get(kind),
                             delta=args.delta, mask_truncated=bool(args.mask_truncated_completions),
                             top_entropy_quantile=(args.top_entropy_quantile if args.top_entropy_quantile < 1
-                                                  else None), **tis)
+                                                  else None), off_policy_mask_threshold=threshold,
+                            **_entropy(args, aggregation, found), **tis)
+
+
+def _entropy(args: Any, aggregation: str, found: list[Problem]) -> dict[str, Any]:
+    """TRL's entropy bonus, ``entropy_coef`` times each micro-batch's token-mean entropy:
+    ``ClippedSurrogate(entropy_coef=...)``, or under ``use_adaptive_entropy`` an
+    :class:`~grpo_engine.losses.adaptive_entropy.AdaptiveEntropyBonus` term (also the run's callback),
+    where that mean is the loss's (the token mean over a step of one micro-batch)."""
+    adaptive = bool(args.use_adaptive_entropy)
+    if not (adaptive or args.entropy_coef):
+        return {}
+    name = "use_adaptive_entropy" if adaptive else "entropy_coef"
+    refusal = _entropy_refusal(args, aggregation, adaptive)
+    if refusal is None and not adaptive:
+        return {"entropy_coef": args.entropy_coef}
+    if refusal is None:
+        try:
+            return {"terms": (AdaptiveEntropyBonus(
+                target=args.entropy_target, coef=args.entropy_coef, delta=args.entropy_coef_delta,
+                coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max),)}
+        except ValueError as error:
+            refusal = (str(error), "entropy_coef_min <= entropy_coef <= entropy_coef_max, "
+                                   "entropy_coef_delta > 0")
+    found.append(problem(name, getattr(args, name), *refusal))
+    return {}
+
+
+def _entropy_refusal(args: Any, aggregation: str, adaptive: bool) -> tuple[str, str] | None:
+    """Why TRL's entropy bonus has no equal here in this setting, and the nearest (None: it has)."""
+    if aggregation != "token":
+        return (f"TRL adds the token mean of the entropy; with loss_type={args.loss_type!r} the bonus here "
+                "is aggregated as the policy term (per sequence, or over N x max_completion_length)",
+                "loss_type='dapo' (TRL's default: both are the token mean)")
+    if args.gradient_accumulation_steps > 1 or args.world_size > 1:
+        return ("TRL adds each micro-batch's own token mean (over gradient_accumulation_steps micro-batches "
+                "and the processes), here the step's token mean: the same for one micro-batch a step",
+                "gradient_accumulation_steps=1 on one process (a larger per_device_train_batch_size)")
+    if args.top_entropy_quantile < 1:
+        return ("with top_entropy_quantile < 1 TRL's bonus acts on the high-entropy tokens only, here on "
+                "every token", "top_entropy_quantile=1.0")
+    if adaptive and args.num_iterations > 1:
+        return ("TRL moves the coefficient after each of the num_iterations updates on a generation batch, "
+                "here once a batch", "num_iterations=1")
+    if not adaptive and args.entropy_coef < 0:
+        return ("the bonus's coefficient is >= 0 here (a negative one penalises entropy)", "entropy_coef > 0")
+    return None
 
 
 def _importance_sampling(args: Any, found: list[Problem]) -> dict[str, Any]:
     """TRL's correction of vLLM's log-probs: ``ClippedSurrogate(tis_cap=..., tis_mode=...)``."""
     if not (args.use_vllm and args.vllm_importance_sampling_correction):
         return {}
-    if args.vllm_importance_sampling_clip_max is None:
-        found.append(problem("vllm_importance_sampling_clip_max", None, "the correction here always has an "
-                             "upper bound", "vllm_importance_sampling_clip_max=3.0 (TRL's default)"))
+    if args.vllm_importance_sampling_clip_max is None and args.vllm_importance_sampling_clip_min is None:
+        found.append(problem("vllm_importance_sampling_clip_max", None, "the correction here always has a "
+                             "bound (TRL's mask modes then weigh by the raw ratio)",
+                             "vllm_importance_sampling_clip_max=3.0 (TRL's default)"))
         return {}
-    return {"tis_cap": args.vllm_importance_sampling_clip_max, "tis_mode": args.vllm_importance_sampling_mode}
+    low = args.vllm_importance_sampling_clip_min
+    if low is not None and low < 0:
+        found.append(problem("vllm_importance_sampling_clip_min", low, "a ratio is never negative: the lower "
+                             "bound is >= 0 here", "vllm_importance_sampling_clip_min=None or 0.5"))
+        low = None
+    return {"tis_cap": args.vllm_importance_sampling_clip_max, "tis_mode": args.vllm_importance_sampling_mode,
+            "tis_cap_min": low}
 
 
 def _unsupported_terms(args: Any, loss: str, tis: dict[str, Any]) -> list[Problem]:
     """The ClippedSurrogate terms a GSPO / CISPO loss does not take."""
     terms = {"mask_truncated_completions": args.mask_truncated_completions,
              "top_entropy_quantile": args.top_entropy_quantile < 1, "delta": args.delta is not None,
-             "vllm_importance_sampling_correction": bool(tis)}
-    return [problem(name, getattr(args, name), f"{loss} here has no such term", "loss_type='dapo' or 'grpo'")
+             "vllm_importance_sampling_correction": bool(tis),
+             "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
+             "use_adaptive_entropy": args.use_adaptive_entropy,
+             "entropy_coef": bool(args.entropy_coef) and not args.use_adaptive_entropy}
+    token_mean = ("use_adaptive_entropy", "entropy_coef")  # TRL's bonus is the token mean: dapo's here
+    return [problem(name, getattr(args, name), f"{loss} here has no such term",
+                    "loss_type='dapo'" if name in token_mean else "loss_type='dapo' or 'grpo'")
             for name, used in terms.items() if used]
 
 

@@ -41,6 +41,7 @@ from grpo_engine.callbacks import Callback, HeldOutEval, TrainerState
 from grpo_engine.data.errors import DataError
 from grpo_engine.data.records import to_prompts
 from grpo_engine.models import load_model
+from grpo_engine.rewards.compose import WeightedSum
 from grpo_engine.rewards.function import FunctionReward
 from grpo_engine.sampling.vllm import VLLMSampler
 from grpo_engine.sampling.vllm_server import VLLMServerSampler
@@ -293,13 +294,22 @@ def build_native(run: NativeRun, build: dict[str, Any], *, resume_from: Any) -> 
     model, tokenizer, sampler = build["model"], build["tokenizer"], None
     if run.vllm is not None:
         model, tokenizer, sampler = vllm_sampler(run, model, tokenizer)
-    native = NativeTrainer(model, build["rewards"], build["prompts"], run.config, run.memory,
-                           tokenizer=tokenizer, sampler=sampler, template=TRLTemplate(),
-                           advantage=run.advantage, loss=run.loss, callbacks=build["callbacks"],
+    native = NativeTrainer(model, trl_rewards(run, build["rewards"]), build["prompts"], run.config,
+                           run.memory, tokenizer=tokenizer, sampler=sampler, template=TRLTemplate(),
+                           advantage=run.advantage, loss=run.loss,
+                           callbacks=[*build["callbacks"], *run.callbacks],
                            resume_from=resume_from, tools=build["tools"],
                            environment_factory=build["environment_factory"])
     native.scheduler = trl_scheduler(native.optimizer, run.schedule, start=native.state.step)
     return native
+
+
+def trl_rewards(run: NativeRun, rewards: list[Any]) -> list[Any] | WeightedSum:
+    """The trainer's rewards as ``run`` combines them: as they are (summed by weight), or under TRL's
+    ``normalize_then_sum`` each z-scored in its group first, ``WeightedSum(normalize="each", eps=1e-4)``."""
+    if run.reward_normalize == "after_sum":
+        return rewards
+    return WeightedSum(rewards, normalize=run.reward_normalize, eps=1e-4)
 
 
 def vllm_sampler(run: NativeRun, model: Any, tokenizer: Any) -> tuple[nn.Module, Any, Any]:
