@@ -236,6 +236,11 @@ def test_loss_and_advantage_settings_carry_over():
     loss = r.loss
     assert (loss.kl_coef, loss.mask_truncated, loss.top_entropy_quantile, loss.delta) == (0.04, True, 0.2, 2)
     assert r.advantage.std_scope == "batch" and run(scale_rewards=False).advantage.std_scope == "none"
+    assert not loss.kl_ratio_weighted and loss.off_policy_mask_threshold is None
+    weighted = run(beta=0.04, off_policy_mask_threshold=0.5).loss  # TRL's default use_bias_correction_kl
+    assert (weighted.kl_coef, weighted.kl_ratio_weighted, weighted.off_policy_mask_threshold) == (
+        0.04, True, 0.5)
+    assert not run().loss.kl_ratio_weighted  # beta=0.0: no KL to weight
 
 
 def test_the_bias_corrected_kl_has_the_ratios_gradient():
@@ -244,7 +249,8 @@ def test_the_bias_corrected_kl_has_the_ratios_gradient():
     logp = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
     batch = MicroBatch(completion_mask=torch.ones(1, 1, dtype=torch.bool), advantages=torch.zeros(1,
                        dtype=torch.float64), ref_logprobs=torch.full((1, 1), -1.0, dtype=torch.float64))
-    for loss_fn, slope in ((ClippedSurrogate(aggregation="token", terms=(RatioWeightedKL(0.5),)), 0.5),
+    for loss_fn, slope in ((ClippedSurrogate(aggregation="token", kl_coef=0.5, kl_ratio_weighted=True), 0.5),
+                           (ClippedSurrogate(aggregation="token", terms=(RatioWeightedKL(0.5),)), 0.5),
                            (ClippedSurrogate(aggregation="token", kl_coef=0.5), 0.5 * (1 - math.exp(-1)))):
         logp.grad = None
         out = loss_fn(logp, batch, num_valid_tokens=1, num_sequences=1)
@@ -808,6 +814,12 @@ def test_use_vllm_becomes_the_vllm_sampler_and_its_correction():
     assert server.vllm == VLLMPlan("server", {"base_url": "http://0.0.0.0:8100"})
     assert "server_command" in " ".join(server.notes)
     assert run(use_vllm=True, vllm_importance_sampling_correction=False).loss.tis_cap is None
+    bounded = run(use_vllm=True, vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=5.0,
+                  vllm_importance_sampling_mode="token_mask").loss  # IcePop's bounds
+    assert (bounded.tis_cap_min, bounded.tis_cap, bounded.tis_mode) == (0.5, 5.0, "token_mask")
+    low_only = run(use_vllm=True, vllm_importance_sampling_clip_min=0.5,
+                   vllm_importance_sampling_clip_max=None, vllm_importance_sampling_mode="token_mask").loss
+    assert (low_only.tis_cap_min, low_only.tis_cap) == (0.5, None)
     vespo = run(use_vllm=True, loss_type="vespo", vllm_importance_sampling_mode="token_mask").loss
     assert (type(vespo).__name__, vespo.tis_cap, vespo.tis_mode) == ("VESPO", 3.0, "token_mask")
     with pytest.raises(TRLSettingError, match="vllm_importance_sampling_mode='sequence_mask': loss_type="):
