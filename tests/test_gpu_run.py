@@ -74,7 +74,9 @@ def test_each_preset_reports_what_the_gpu_run_needs(smoke, preset, engines):
     ours = report["ours"]
     assert ours["decoding"] == "static"  # the GPU's fixed-shape path, run eagerly on the CPU
     assert ours["prefill_s"] > 0 and ours["decode_s"] > 0
-    assert ours["prefill_s"] + ours["decode_s"] <= ours["stages"]["generation_s"] * 1.01
+    # medians over the steps: each phase of a step is inside that step's generation, so each phase's median
+    # is at most the generation's (their sum need not be: a median does not add up)
+    assert max(ours["prefill_s"], ours["decode_s"]) <= ours["stages"]["generation_s"] * 1.01
     assert set(ours["phases_mib"]) == {"sampling", "training", "optimizer"}
     assert ours["first_step_s"] > ours["step_s"]  # launch, imports and the model build come first
     for engine in engines:  # each worker's timeline: imports, build, then every step's end

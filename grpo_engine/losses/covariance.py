@@ -36,8 +36,11 @@ def token_covariance(logprobs: Tensor, advantages: Tensor, mask: Tensor) -> Tens
     """[n, C] (A_i - mean A) · (log π_it - mean log π) over the valid tokens (detached), -inf on padding.
 
     Example:
-        >>> token_covariance(torch.tensor([[0.0, -2.0]]), torch.tensor([1.0]), torch.tensor([[True, True]]))
-        tensor([[0., 0.]])
+        >>> logprobs = torch.tensor([[0.0, -2.0], [-3.0, -1.0]])
+        >>> mask = torch.tensor([[True, True], [True, False]])
+        >>> token_covariance(logprobs, torch.tensor([1.0, -1.0]), mask)  # means over 3 tokens: 1/3 and -5/3
+        tensor([[ 1.1111, -0.2222],
+                [ 1.7778,    -inf]])
     """
     logp = torch.where(mask, logprobs.detach(), torch.zeros_like(logprobs))
     adv = advantages.detach().to(device=logp.device, dtype=logp.dtype)[:, None].expand_as(logp)
