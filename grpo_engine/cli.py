@@ -96,7 +96,7 @@ def _train_help() -> str:
 def _train(args: argparse.Namespace) -> int:
     from grpo_engine import checkpoint
     from grpo_engine.data.errors import DataError
-    from grpo_engine.spec import BuildError, RunSpec, build, rewards_of
+    from grpo_engine.spec import BuildError, RunSpec, build, loss_of, rewards_of
 
     path = args.config
     try:
@@ -124,14 +124,15 @@ def _train(args: argparse.Namespace) -> int:
         prompts = build(spec.train_prompts)
         if isinstance(prompts, tuple) and len(prompts) == 2:
             prompts = prompts[0]
+        callbacks = [build(c) for c in spec.callbacks]
         trainer = GRPOTrainer(
             spec.model, rewards_of(spec), prompts, config=spec.config, memory=spec.memory,
             advantage=build(spec.advantage) if spec.advantage else None,
-            loss=build(spec.loss) if spec.loss else None,
+            loss=loss_of(spec, callbacks),  # with the callbacks that are loss terms too
             template=build(spec.template) if spec.template else None,
             sampler=build(spec.sampler) if spec.sampler else None,
             entropy=build(spec.entropy) if spec.entropy else None,
-            callbacks=[build(c) for c in spec.callbacks],
+            callbacks=callbacks,
             resume_from=checkpoint.Resume("latest", frozenset(args.allow_change)) if args.resume else None,
         )
     except (BuildError, DataError, checkpoint.ResumeError, FileNotFoundError) as exc:

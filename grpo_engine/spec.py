@@ -29,7 +29,7 @@ from grpo_engine.config import ConfigError, FrozenModel, GRPOConfig, format_vali
 from grpo_engine.memory.plan import MemoryPlan
 
 __all__ = ["BuildError", "ComponentSpec", "ConfigError", "RunSpec", "build", "format_validation_error",
-           "rewards_of", "trusted"]
+           "loss_of", "rewards_of", "trusted"]
 
 
 class ComponentSpec(FrozenModel):
@@ -162,6 +162,32 @@ def rewards_of(spec: RunSpec) -> Any:
     from grpo_engine.rewards.compose import WeightedSum
 
     return WeightedSum(rewards, normalize=spec.reward_normalize, eps=spec.reward_eps)
+
+
+def loss_of(spec: RunSpec, callbacks: list[Any]) -> Any:
+    """The run's loss (None: the trainer's default), with each of ``callbacks`` that is also a loss term
+    (``AdaptiveEntropyBonus``: one object the loss reads and the step end updates) among its terms, so
+    that a run file lists it once, under ``callbacks``.
+
+    Raises:
+        BuildError: such a callback with a loss that takes no terms (only ``ClippedSurrogate`` does).
+    """
+    import dataclasses
+
+    from grpo_engine.losses.clipped import ClippedSurrogate
+    from grpo_engine.protocols import LossTerm
+
+    loss = build(spec.loss) if spec.loss else None
+    joining = tuple(c for c in callbacks if isinstance(c, LossTerm))
+    if not joining:
+        return loss
+    if loss is None:
+        return ClippedSurrogate(terms=joining)
+    if not isinstance(loss, ClippedSurrogate):
+        raise BuildError(f"callbacks {[type(c).__name__ for c in joining]} are loss terms too, and "
+                         f"{type(loss).__name__} takes no terms; use loss: {{class: "
+                         "grpo_engine.losses.ClippedSurrogate, ...}, or leave them out")
+    return dataclasses.replace(loss, terms=(*loss.terms, *joining))
 
 
 def _closest_module(name: str) -> str:

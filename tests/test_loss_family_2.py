@@ -546,7 +546,7 @@ def test_adaptive_entropy_coefficient_trajectory():
     """target 0.2, Δ 0.05, c in [0, 0.12]: entropies 0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.2.
     c: 0 -> .05 -> .10 -> .12 (capped) -> .12 -> .07 -> .02 -> .07 (0.2 <= target counts as low).
     α: 0 (nothing measured yet), .05, .10, .12, .12 (the last step was low), 0 (high), 0."""
-    bonus = AdaptiveEntropyBonus(target=0.2, coef=0.0, delta=0.05, coef_max=0.12)
+    bonus = AdaptiveEntropyBonus(entropy_target=0.2, coef=0.0, delta=0.05, coef_max=0.12)
     entropies = [0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.2]
     applied = []
     for h in entropies:
@@ -557,7 +557,7 @@ def test_adaptive_entropy_coefficient_trajectory():
     want, final = adaptive_reference(entropies, target=0.2, coef=0.0, delta=0.05, low=0.0, high=0.12)
     assert applied == pytest.approx(want) and bonus.coef == pytest.approx(final)
     saved = bonus.state_dict()
-    fresh = AdaptiveEntropyBonus(target=0.2, coef=0.0, delta=0.05, coef_max=0.12)
+    fresh = AdaptiveEntropyBonus(entropy_target=0.2, coef=0.0, delta=0.05, coef_max=0.12)
     fresh.load_state_dict(saved)
     assert (fresh.coef, fresh.last_entropy, repr(fresh)) == (bonus.coef, bonus.last_entropy, repr(bonus))
 
@@ -585,7 +585,7 @@ def ours_adaptive_step(bonus, lp, mask, adv, old, ent):
 def test_adaptive_entropy_matches_naive_reference(target):
     """Five steps: each loss is the clipped token mean minus α_k · (token-mean entropy); ∂/∂H = -α_k/N per
     valid token; α and c follow the loop."""
-    bonus = AdaptiveEntropyBonus(target=target, coef=0.02, delta=0.01)
+    bonus = AdaptiveEntropyBonus(entropy_target=target, coef=0.02, delta=0.01)
     plain = ClippedSurrogate(aggregation="token")
     seen = []
     for step in range(5):
@@ -622,7 +622,7 @@ def test_adaptive_entropy_equals_trl_over_steps():
             inner = self.__dict__["_get_per_token_logps_and_entropies"]
             return lambda *a, **k: (inner(*a, **k)[0], state["ent"], None)
 
-    bonus = AdaptiveEntropyBonus(target=0.2, coef=0.02, delta=0.01)
+    bonus = AdaptiveEntropyBonus(entropy_target=0.2, coef=0.02, delta=0.01)
     for step in range(5):
         lp, mask, adv, old, ent = adaptive_case(step)
         loss, grad, ent_grad, _ = ours_adaptive_step(bonus, lp, mask, adv, old, ent)
@@ -639,8 +639,8 @@ def test_adaptive_entropy_equals_trl_over_steps():
 
 def test_adaptive_entropy_errors():
     with pytest.raises(ValueError, match=r"delta=0 must be > 0.*coef=2.0 must lie in \[coef_min, coef_max\]"):
-        AdaptiveEntropyBonus(target=0.2, coef=2.0, delta=0)
-    bonus = AdaptiveEntropyBonus(target=0.2)
+        AdaptiveEntropyBonus(entropy_target=0.2, coef=2.0, delta=0)
+    bonus = AdaptiveEntropyBonus(entropy_target=0.2)
     assert ClippedSurrogate(terms=(bonus,)).requires.entropy
     metrics = {}
     bonus.on_step_end(None, None, None, metrics=metrics)  # nothing measured: no change
@@ -772,3 +772,35 @@ callbacks: [{class: grpo_engine.ref_sync.ReferenceSync, every_steps: 64, alpha: 
     plain = RunSpec.model_validate({**yaml.safe_load(text), "reward_normalize": "after_sum",
                                     "reward_eps": 1e-6})
     assert isinstance(rewards_of(plain), list)
+
+
+def test_run_file_lists_the_adaptive_entropy_bonus_once_under_callbacks():
+    """``AdaptiveEntropyBonus`` is a callback and a loss term, one object: listed under ``callbacks``, the
+    run's loss gets that same object among its terms (a ClippedSurrogate when the file names no loss);
+    a loss that takes no terms is refused by name."""
+    import yaml
+
+    from grpo_engine.losses import ClippedSurrogate
+    from grpo_engine.spec import BuildError, RunSpec, build, loss_of
+
+    text = """
+model: some/model
+train_prompts: {function: grpo_engine.data.load_gsm8k, path: x.jsonl}
+rewards: [{class: grpo_engine.rewards.MathAccuracy}]
+loss: {class: grpo_engine.losses.ClippedSurrogate, aggregation: token, kl_coef: 0.01}
+callbacks: [{class: grpo_engine.losses.AdaptiveEntropyBonus, entropy_target: 0.2,
+             delta: 0.01},
+            {class: grpo_engine.ref_sync.ReferenceSync, every_steps: 64, alpha: 0.6}]
+"""
+    data = yaml.safe_load(text)
+    spec = RunSpec.model_validate(data)
+    callbacks = [build(c) for c in spec.callbacks]
+    loss = loss_of(spec, callbacks)
+    assert loss.terms == (callbacks[0],) and loss.terms[0] is callbacks[0] and loss.aggregation == "token"
+    assert (callbacks[0].entropy_target, callbacks[0].delta, loss.kl_coef) == (0.2, 0.01, 0.01)
+    no_loss = RunSpec.model_validate({k: v for k, v in data.items() if k != "loss"})
+    assert loss_of(no_loss, callbacks) == ClippedSurrogate(terms=(callbacks[0],))
+    assert loss_of(no_loss, callbacks[1:]) is None  # no term among them: the trainer's default loss
+    gspo = RunSpec.model_validate({**data, "loss": {"class": "grpo_engine.losses.GSPO"}})
+    with pytest.raises(BuildError, match=r"\['AdaptiveEntropyBonus'\] are loss terms too, and GSPO takes no"):
+        loss_of(gspo, callbacks)

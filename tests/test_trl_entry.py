@@ -388,7 +388,7 @@ def test_adaptive_entropy_is_trls_controller_as_a_loss_term_and_a_callback():
             entropy_coef_min=0.01, entropy_coef_max=0.04)
     (bonus,) = r.callbacks
     assert r.loss.terms == (bonus,) and r.loss.entropy_coef == 0.0
-    assert (bonus.target, bonus.start_coef, bonus.delta, bonus.coef_min, bonus.coef_max) == (
+    assert (bonus.entropy_target, bonus.start_coef, bonus.delta, bonus.coef_min, bonus.coef_max) == (
         0.3, 0.02, 0.01, 0.01, 0.04)
     mask = torch.ones(1, 4, dtype=torch.bool)
     losses, coefs = [], []

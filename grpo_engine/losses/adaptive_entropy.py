@@ -36,39 +36,41 @@ class AdaptiveEntropyBonus(Callback):
     """Entropy bonus -α_k · H with Skywork-OR1's adaptive coefficient (see the module docstring).
 
     Args:
-        target: H_tgt, the token-mean entropy (nats) to hold; the paper uses 0.2 for its 7B and 32B runs.
+        entropy_target: H_tgt, the token-mean entropy (nats) to hold (TRL's name); the paper uses 0.2 for
+            its 7B and 32B runs.
         coef: c_0 >= 0, the starting coefficient (paper and TRL ``entropy_coef``: 0).
         delta: Δ > 0, the change per step (paper and TRL ``entropy_coef_delta``: 0.005).
         coef_min, coef_max: the bounds of c (TRL ``entropy_coef_min`` 0, ``entropy_coef_max`` 1).
 
     Example:
-        >>> bonus = AdaptiveEntropyBonus(target=0.2)
+        >>> bonus = AdaptiveEntropyBonus(entropy_target=0.2)
         >>> bonus.update(0.1); bonus.coef, bonus.applied_coef   # low entropy: c rises, the bonus is on
         (0.005, 0.005)
         >>> bonus.update(0.5); bonus.coef, bonus.applied_coef   # high: c falls, the bonus is off
         (0.0, 0.0)
     """
 
-    def __init__(self, target: float, coef: float = 0.0, delta: float = 0.005, coef_min: float = 0.0,
+    def __init__(self, entropy_target: float, coef: float = 0.0, delta: float = 0.005, coef_min: float = 0.0,
                  coef_max: float = 1.0) -> None:
         problems = [f"{name}={value!r} must be >= 0" for name, value in
-                    (("target", target), ("coef_min", coef_min)) if not value >= 0]
+                    (("entropy_target", entropy_target), ("coef_min", coef_min)) if not value >= 0]
         if not delta > 0:
             problems.append(f"delta={delta!r} must be > 0 (the paper uses 0.005)")
         if not coef_min <= coef <= coef_max:
             problems.append(f"coef={coef!r} must lie in [coef_min, coef_max] = [{coef_min}, {coef_max}]")
         if problems:
             raise ValueError("invalid AdaptiveEntropyBonus: " + "; ".join(problems))
-        self.target, self.delta, self.coef_min, self.coef_max = target, delta, coef_min, coef_max
+        self.entropy_target, self.delta = entropy_target, delta
+        self.coef_min, self.coef_max = coef_min, coef_max
         self.start_coef = float(coef)  # a setting: the repr (and a checkpoint's description) shows it
         self.coef, self.last_entropy = float(coef), math.inf  # the state, in state_dict()
 
     def __repr__(self) -> str:
-        return (f"AdaptiveEntropyBonus(target={self.target}, coef={self.start_coef}, delta={self.delta}, "
-                f"coef_min={self.coef_min}, coef_max={self.coef_max})")
+        return (f"AdaptiveEntropyBonus(entropy_target={self.entropy_target}, coef={self.start_coef}, "
+                f"delta={self.delta}, coef_min={self.coef_min}, coef_max={self.coef_max})")
 
     def __str__(self) -> str:  # how errors name it: the setting that made it
-        return f"adaptive entropy_target={self.target}"
+        return f"adaptive entropy_target={self.entropy_target}"
 
     @property
     def requires(self) -> Requirements:
@@ -77,7 +79,7 @@ class AdaptiveEntropyBonus(Callback):
     @property
     def applied_coef(self) -> float:
         """α of the next step: c while the last measured entropy is at or below the target, else 0."""
-        return self.coef if self.last_entropy <= self.target else 0.0
+        return self.coef if self.last_entropy <= self.entropy_target else 0.0
 
     def __call__(self, tokens: TokenLoss, batch: MicroBatch) -> TokenLoss:
         entropy = masked(batch.entropy, tokens.mask, tokens.logprobs.dtype)
@@ -87,7 +89,7 @@ class AdaptiveEntropyBonus(Callback):
 
     def update(self, entropy: float) -> None:
         """End of a step whose token-mean entropy was ``entropy``: moves c by Δ and remembers it."""
-        step = self.delta if entropy <= self.target else -self.delta
+        step = self.delta if entropy <= self.entropy_target else -self.delta
         self.coef = min(max(self.coef + step, self.coef_min), self.coef_max)
         self.last_entropy = float(entropy)
 

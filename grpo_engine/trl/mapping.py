@@ -518,7 +518,7 @@ def _entropy(args: Any, aggregation: str, found: list[Problem]) -> dict[str, Any
     if refusal is None:
         try:
             return {"terms": (AdaptiveEntropyBonus(
-                target=args.entropy_target, coef=args.entropy_coef, delta=args.entropy_coef_delta,
+                entropy_target=args.entropy_target, coef=args.entropy_coef, delta=args.entropy_coef_delta,
                 coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max),)}
         except ValueError as error:
             refusal = (str(error), "entropy_coef_min <= entropy_coef <= entropy_coef_max, "

@@ -77,7 +77,7 @@ MAPPED: dict[str, str] = {
     "entropy_coef_min": "AdaptiveEntropyBonus(coef_min=...)",
     "entropy_coef_max": "AdaptiveEntropyBonus(coef_max=...)",
     "entropy_coef_delta": "AdaptiveEntropyBonus(delta=...)",
-    "entropy_target": "AdaptiveEntropyBonus(target=...)",
+    "entropy_target": "AdaptiveEntropyBonus(entropy_target=...)",
     "multi_objective_aggregation": "'normalize_then_sum': WeightedSum(normalize='each', eps=1e-4) + "
                                    "ReinforcePlusPlusBaseline(eps=1e-4) (GDPO)",
     "sync_ref_model": "a ReferenceSync callback (TR-DPO; full fine-tuning with beta > 0)",
