@@ -205,6 +205,9 @@ def main() -> None:
         resume = (None if args.resume_step is None
                   else str(Path(args.out) / name / f"checkpoint-{args.resume_step}"))
         run(name, Path(args.out), resume)
+    if torch.distributed.is_initialized():  # every rank done before any tears its group down: a rank that
+        torch.distributed.barrier()  # left first once aborted in gloo's teardown under load (std::terminate)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
