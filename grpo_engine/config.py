@@ -267,7 +267,14 @@ class GRPOConfig(FrozenModel):
     replan_step: int | None = Field(
         None, description="Under time_budget='calibrated': the step at whose end the plan is made once "
         "more, from the pace of the steps since the first plan (a warm-up's completions are often the "
-        "run's longest, so its pace plans too few steps); null = the first plan holds."
+        "run's longest, so its pace plans too few steps); null = the first plan holds. Until then the "
+        "schedule follows max_steps (unless the first plan ends the run sooner), so the first plan's timing "
+        "noise never reaches the learning rate."
+    )
+    plan_grid: int = Field(
+        10, description="Under time_budget='calibrated': a plan short of max_steps is rounded down to a "
+        "multiple of this (from twice it on), so that a small change of pace plans the same count; a "
+        "coarser grid plans alike more often, at the cost of up to plan_grid - 1 steps of the budget."
     )
     lr_reference_steps: int | None = Field(
         None, description="A run of fewer steps than this (the calibrated plan, else max_steps) peaks "
@@ -407,6 +414,7 @@ GRPOConfig.field_rules = {
     "top_k": (lambda v: v >= 0, "must be >= 0", "use top_k=0 to turn it off"),
     "learning_rate": (lambda v: v > 0, "must be > 0", "use e.g. 1e-4 for LoRA or 1e-6 for full fine-tuning"),
     "warmup_steps": (lambda v: v >= 0, "must be >= 0", "use 0 for no warm-up"),
+    "plan_grid": (lambda v: v >= 1, "must be >= 1", "use e.g. 10 (1: no rounding)"),
     "lr_reference_steps": (lambda v: v is None or v >= 1, "must be >= 1",
                            "use e.g. 80, or null to keep the peak at learning_rate"),
     "max_learning_rate": (lambda v: v is None or v > 0, "must be > 0",
@@ -430,7 +438,9 @@ def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0, planned
     the larger of the step fraction of ``max_steps`` and (with ``max_train_seconds`` and the ``"clock"``
     budget) the time fraction; a calibrated run not yet planned follows the step fraction of ``max_steps``.
     After the warm-up the schedule starts from :func:`peak_learning_rate` / ``learning_rate`` (1 unless
-    ``lr_reference_steps`` raises it).
+    ``lr_reference_steps`` raises it). With ``replan_step``, the steps before it follow ``max_steps``
+    whatever the first plan (unless that plan ends the run by the replan), so two runs whose warm-ups
+    timed a little differently take the same learning rates.
 
     Example:
         >>> lr_factor(GRPOConfig(lr_schedule="linear", max_steps=10), 5)
@@ -438,6 +448,9 @@ def lr_factor(config: GRPOConfig, step: int, train_seconds: float = 0.0, planned
     """
     if step < config.warmup_steps:
         return (step + 1) / (config.warmup_steps + 1)
+    replan = config.replan_step
+    if planned is not None and replan is not None and step < replan < planned:
+        planned = None  # the first plan, a rough guess, only stops the run: until the replan, max_steps
     total = min(planned, config.max_steps) if planned is not None else config.max_steps
     progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
     if config.max_train_seconds is not None and planned is None and config.time_budget == "clock":
@@ -495,7 +508,7 @@ def planned_steps(config: GRPOConfig, state: Any) -> int | None:
     steps timed less their update time, plus the mean update time of those that updated (early steps
     whose groups all tie compute no gradient, and timing them as whole steps would plan too many).
     ``max_steps`` when they fit in ``max_train_seconds`` at that pace (with a 5% margin), else as many as
-    fit, rounded down to a multiple of 10 (so that small timing noise plans the same count);
+    fit, rounded down to a multiple of ``plan_grid`` (so that small timing noise plans the same count);
     ``state.planned_steps`` unchanged at every other step. ``state``: a ``TrainerState``.
 
     Example:
@@ -534,12 +547,13 @@ def planned_steps(config: GRPOConfig, state: Any) -> int | None:
 
 def _fitting_steps(config: GRPOConfig, step: int, seconds: float, pace: float) -> int:
     """The steps that fit ``max_train_seconds`` after ``step`` steps and ``seconds`` at ``pace`` (with
-    the margin), at most ``max_steps``, rounded down to a multiple of 10 from 20 on."""
+    the margin), at most ``max_steps``, rounded down to a multiple of ``plan_grid`` from twice it on."""
     left = (config.max_train_seconds - seconds) * CALIBRATION_MARGIN
     fits = step + int(left / max(pace, 1e-9))
     if fits >= config.max_steps:
         return config.max_steps
-    return max(step, fits - fits % 10 if fits >= 20 else fits)
+    grid = config.plan_grid
+    return max(step, fits - fits % grid if fits >= 2 * grid else fits)
 
 
 def run_finished(config: GRPOConfig, state: Any) -> bool:

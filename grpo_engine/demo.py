@@ -5,7 +5,9 @@ It measures greedy held-out accuracy on a seeded synthetic task (two-digit arith
 writes ``metrics.jsonl`` and ``reward_curve.png`` to the output folder, and prints one JSON object as
 its last line. The run is repeatable: its step count is fixed by timing the warm-up steps against the
 training budget, and once more from steps 5-20 (``GRPOConfig(time_budget="calibrated",
-replan_step=20)``: ``max_steps`` on a machine fast enough),
+replan_step=20)``: ``max_steps`` on a machine fast enough; a plan short of it rounded down to a
+multiple of ``plan_grid`` steps, and the learning rate independent of the first plan, so that small
+timing noise changes neither; the summary says when a machine planned fewer than ``max_steps``),
 torch runs deterministic kernels, and it takes as many threads as there are cores not busy with
 other work (a busy core would stall every thread of a step).
 
@@ -29,7 +31,7 @@ import torch
 from grpo_engine.checkpoint import save_pretrained_atomic
 
 __all__ = ["DemoSettings", "recipe_components", "recipe_rewards", "demo_task", "idle_cores", "smollm2_folder",
-           "run_demo"]
+           "run_demo", "plan_note"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -44,6 +46,9 @@ class DemoSettings:
     # the step count is planned again at the end of this step, from the pace since the warm-up: 4 steps of
     # the base model's longest completions are a rough first guess (docs/benchmarks.md)
     replan_step: int | None = 20
+    # a plan short of max_steps is rounded down to a multiple of this: a coarse grid, so that two runs on
+    # one machine plan the same count (their paces differ by a few percent)
+    plan_grid: int = 20
     task: str = "arithmetic"  # "arithmetic" (a + b, a - b) or "comparison" (largest / smallest of three)
     num_train: int = 1000
     # 256 held-out problems: one run's standard error ~3 points (6 with 64, whose first 64 the base model
@@ -230,8 +235,8 @@ def _run(s: DemoSettings) -> dict:
         prompts_per_step=s.prompts_per_step, group_size=s.group_size,
         max_completion_tokens=s.max_completion_tokens, max_prompt_tokens=128, max_steps=s.max_steps,
         max_train_seconds=s.train_seconds, time_budget="calibrated", warmup_steps=s.calibration_steps,
-        replan_step=s.replan_step, temperature=s.temperature, learning_rate=s.learning_rate,
-        lr_schedule=s.lr_schedule, seed=s.seed,
+        replan_step=s.replan_step, plan_grid=s.plan_grid, temperature=s.temperature,
+        learning_rate=s.learning_rate, lr_schedule=s.lr_schedule, seed=s.seed,
         lr_reference_steps=s.lr_reference_steps, max_learning_rate=s.max_learning_rate, output_dir=str(out),
     )
     memory = MemoryPlan(lora=LoRA(r=s.lora_r, alpha=2 * s.lora_r), micro_batch_size=s.micro_batch_size,
@@ -248,8 +253,29 @@ def _run(s: DemoSettings) -> dict:
                "before_accuracy": round(before, 4), "after_accuracy": round(after, 4),
                "train_s": round(trainer.train_seconds, 1), "wall_s": round(time.perf_counter() - wall, 1),
                "output_dir": str(out)}
+    note = plan_note(s, trainer.state.planned_steps, trainer.train_seconds, trainer.step_count)
+    if note:
+        summary["plan"] = note
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def plan_note(settings: DemoSettings, planned: int | None, train_seconds: float, steps: int) -> str | None:
+    """What the summary says when this machine planned fewer than ``max_steps`` (a slower machine: another
+    run than a fast one's); None when it planned them all.
+
+    Example:
+        >>> print(plan_note(DemoSettings(), 80, 392.0, 80))  # doctest: +NORMALIZE_WHITESPACE
+        this machine fits 80 of the 100 steps in 400 s at its pace (4.9 s a step): a machine fast enough
+        for 100 trains another run
+        >>> plan_note(DemoSettings(), 100, 260.0, 100) is None
+        True
+    """
+    if planned is None or planned >= settings.max_steps:
+        return None
+    return (f"this machine fits {planned} of the {settings.max_steps} steps in {settings.train_seconds:.0f} "
+            f"s at its pace ({train_seconds / max(1, steps):.1f} s a step): a machine fast enough "
+            f"for {settings.max_steps} trains another run")
 
 
 def plot_reward_curve(history: list[dict[str, float]], path: Path, *, before: float, after: float) -> None:

@@ -134,8 +134,9 @@ def shortening(step: int) -> float:
 def test_a_replan_step_plans_again_from_the_steps_since_the_warm_up(tmp_path, monkeypatch):
     """300 s, 2 warm-up steps of 10 s, then 5 s a step. The warm-up plans 2 + int(0.95 x 280 / 10) = 28
     -> 20 steps, and that run ends at 110 s of its 300; planned again at step 10 (60 s so far, 5 s a step
-    since step 2): 10 + int(0.95 x 240 / 5) = 55 -> 50 steps, 260 s. The cosine follows 20 steps up to
-    step 10, then 50; a run resumed before step 10 plans the same."""
+    since step 2): 10 + int(0.95 x 240 / 5) = 55 -> 50 steps, 260 s. The cosine follows max_steps (1000)
+    up to step 10, whatever the first plan (a timing's rough guess), then 50; a run resumed before step 10
+    plans the same."""
     first = calibrated(tmp_path / "first", max_train_seconds=300.0)
     clocked(first, monkeypatch, shortening)
     first.train()
@@ -150,7 +151,7 @@ def test_a_replan_step_plans_again_from_the_steps_since_the_warm_up(tmp_path, mo
     assert trainer.state.plan_mark == (2, 20.0, 2, 0.0)
     trainer.train()
     assert trainer.step_count == 50 and trainer.train_seconds == pytest.approx(260.0)
-    cosine = [0.15 * (1 + math.cos(math.pi * k / 18)) for k in range(8)]
+    cosine = [0.15 * (1 + math.cos(math.pi * k / 998)) for k in range(8)]
     cosine += [0.15 * (1 + math.cos(math.pi * k / 48)) for k in range(8, 48)]
     assert [m["lr"] for m in trainer.history] == pytest.approx([0.1, 0.2] + cosine)
     saved = calibrated(tmp_path / "saved", max_train_seconds=300.0, replan_step=10, save_every_steps=5)
@@ -161,6 +162,35 @@ def test_a_replan_step_plans_again_from_the_steps_since_the_warm_up(tmp_path, mo
     clocked(resumed, monkeypatch, shortening)
     rest = resumed.train()
     assert resumed.step_count == 50 and [m["lr"] for m in rest] == pytest.approx(cosine[3:])
+
+
+def test_the_learning_rate_before_the_replan_does_not_depend_on_the_first_plan():
+    """Two runs whose warm-ups timed a little differently plan 60 and 70 steps first, and both 80 at the
+    replan (step 20): the learning rates of steps 5-20 are the same (max_steps' schedule), those after it
+    follow the 80 steps. A first plan that ends the run by the replan is followed from the warm-up on."""
+    config = GRPOConfig(max_steps=100, max_train_seconds=400, warmup_steps=4, time_budget="calibrated",
+                        replan_step=20, lr_schedule="linear")
+    assert [lr_factor(config, s, 0.0, 60) for s in range(4, 20)] == [
+        lr_factor(config, s, 0.0, 70) for s in range(4, 20)] == [1 - (s - 4) / 96 for s in range(4, 20)]
+    assert [lr_factor(config, s, 0.0, 80) for s in (20, 50)] == pytest.approx([1 - 16 / 76, 1 - 46 / 76])
+    assert lr_factor(config, 10, 0.0, 20) == pytest.approx(1 - 6 / 16)  # the run ends at step 20
+    assert lr_factor(config, 10, 0.0, 12) == pytest.approx(1 - 6 / 8)
+    unplanned = config.model_copy(update={"replan_step": None})
+    assert lr_factor(unplanned, 10, 0.0, 60) == pytest.approx(1 - 6 / 56)  # no replan: the first plan holds
+
+
+def test_plan_grid_rounds_a_short_plan_down_to_its_multiples():
+    """400 s, 4 warm-up steps of 4 s (16 s), no update time: 4 + int(0.95 x 384 / 4) = 95 steps fit. The
+    default grid of 10 plans 90; a grid of 20, 80; of 1, 95; a grid wider than half of it leaves it."""
+    state = TrainerState(step=4, train_seconds=16.0, update_steps=4, update_seconds=0.0)
+
+    def plan(grid):
+        return planned_steps(GRPOConfig(max_steps=100, max_train_seconds=400, warmup_steps=4,
+                                        time_budget="calibrated", plan_grid=grid), state)
+
+    assert [plan(10), plan(20), plan(1), plan(50)] == [90, 80, 95, 95]
+    with pytest.raises(ConfigError, match="plan_grid.*must be >= 1"):
+        GRPOConfig(plan_grid=0)
 
 
 def test_replan_step_needs_a_calibrated_budget_after_the_warm_up():
