@@ -16,7 +16,7 @@ $(VENV)/.torch: | $(PY)
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.torch
-	$(PIP) -e ".[dev]"
+	$(PIP) -e ".[dev,tasks]"
 	# Liger-Kernel for the head-pass comparison's arm (benchmarks/head_pass.py); --no-deps: its fused GRPO
 	# loss is plain torch and runs on the CPU, and its triton dependency is a GPU's (the device image has it)
 	$(PIP) --no-deps liger-kernel==0.8.5

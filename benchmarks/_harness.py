@@ -72,8 +72,11 @@ def launched_at() -> float:
 
 
 def run_worker(name: str, args: Sequence[str], timeout: float, env: dict[str, str] | None = None,
-               log: Path | None = None) -> tuple[dict | None, str | None]:
+               log: Path | None = None, python: str | None = None) -> tuple[dict | None, str | None]:
     """Runs ``python *args`` as one worker and returns ``(result, None)`` or ``(None, error)``.
+
+    ``python`` is the interpreter (default: this process's); another venv's, e.g. ``.venv-vllm/bin/python``
+    for a vLLM arm, runs the worker with that venv's libraries.
 
     The result is the JSON of the worker's last stdout line that starts with ``RESULT_TAG`` (see
     :func:`emit`), whatever its exit status (a crash at interpreter shutdown keeps a finished
@@ -87,7 +90,7 @@ def run_worker(name: str, args: Sequence[str], timeout: float, env: dict[str, st
         >>> run_worker("demo", ["-c", "print('BENCHMARK_RESULT {\\"x\\": 1}')"], timeout=60)
         ({'x': 1}, None)
     """
-    cmd = [sys.executable, *args]
+    cmd = [python or sys.executable, *args]
     where = f", log: {log}" if log is not None else ""
     with (log.open("a+", errors="replace") if log is not None else tempfile.TemporaryFile("w+")) as sink:
         sink.write(f"--- {name}\n")

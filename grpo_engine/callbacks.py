@@ -180,34 +180,47 @@ class CallbackList:
 class HeldOutEval(Callback):
     """Greedy pass@1 on held-out prompts every ``every_steps`` steps (or when a callback sets
     ``control.should_evaluate``), added to that step's metrics as ``eval/pass@1`` (and
-    ``time/eval_s``). Its time is not counted in ``train_seconds``. Under data parallel rank 0
-    evaluates.
+    ``time/eval_s``); with ``k`` > 1 also ``eval/avg@k``, ``eval/pass@k`` and ``eval/maj@k``. A trainer
+    with tools evaluates multi-turn rollouts with its own ToolSampler (its budgets; the reward may read the
+    episode and the environment) and adds ``eval/turns/greedy`` and ``eval/tool_calls/greedy`` (and their
+    ``sampled`` twins). Its time is not counted in ``train_seconds``. Under data parallel rank 0 evaluates.
 
     Args:
         prompts: the held-out prompts.
         every_steps: >= 1.
         reward: decides correctness (default: the trainer's first reward).
-        max_new_tokens: generation limit (default: the config's ``max_completion_tokens``).
+        max_new_tokens: generation limit (default: the config's ``max_completion_tokens``; with tools the
+            trainer's ToolSampler's budget applies).
+        k: samples per prompt besides the greedy completion (1: greedy only).
+        temperature: the samples' temperature (default: the config's ``temperature``).
+
+    Raises:
+        ValueError: ``every_steps`` or ``k`` is not an int >= 1, or no prompts.
 
     Example:
-        >>> # GRPOTrainer(..., callbacks=[HeldOutEval(test_prompts, every_steps=20)])
+        >>> # GRPOTrainer(..., callbacks=[HeldOutEval(test_prompts, every_steps=20, k=4)])
     """
 
     def __init__(self, prompts: Sequence[Prompt], every_steps: int, *, reward: Any = None,
-                 max_new_tokens: int | None = None) -> None:
+                 max_new_tokens: int | None = None, k: int = 1, temperature: float | None = None) -> None:
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
             raise ValueError(f"every_steps={every_steps!r} must be an int >= 1; e.g. HeldOutEval(prompts, "
                              "every_steps=20)")
         if not prompts:
             raise ValueError("HeldOutEval got no prompts; pass the held-out Prompt list")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"HeldOutEval: k={k!r} must be an int >= 1 (samples per prompt; 1: greedy only)")
         self.prompts, self.every_steps = list(prompts), every_steps
-        self.reward, self.max_new_tokens = reward, max_new_tokens
+        self.reward, self.max_new_tokens, self.k, self.temperature = reward, max_new_tokens, k, temperature
 
     def on_step_end(self, trainer: GRPOTrainer, state: TrainerState, control: TrainerControl, *,
                     metrics: dict[str, Any]) -> None:
         if (state.step % self.every_steps and not control.should_evaluate) or not state.is_world_process_zero:
             return  # rank 0 evaluates; the trainer hands its metrics to the other ranks
         start = time.perf_counter()
-        metrics.update(trainer.evaluate(self.prompts, reward=self.reward, max_new_tokens=self.max_new_tokens))
+        temperature = trainer.config.temperature if self.temperature is None else self.temperature
+        sampled = {} if self.k == 1 else {"k": self.k, "temperature": temperature}
+        metrics.update(trainer.evaluate(self.prompts, reward=self.reward, max_new_tokens=self.max_new_tokens,
+                                        **sampled))
         metrics["time/eval_s"] = time.perf_counter() - start
         control.should_evaluate = False

@@ -205,6 +205,24 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_task(text: str) -> str:
+    """``--task``: a built-in task's name, or a reasoning-gym family's (``rg:`` optional), bare."""
+    from grpo_engine.demo import BUILT_IN_TASKS
+
+    if text in BUILT_IN_TASKS:
+        return text
+    family = text.removeprefix("rg:")
+    from grpo_engine.data.errors import DataError
+    from grpo_engine.tasks.reasoning_gym import check_family, require_reasoning_gym
+
+    try:
+        require_reasoning_gym()
+        check_family(family)
+    except (ImportError, DataError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {' or '.join(BUILT_IN_TASKS)}, and {exc}") from exc
+    return family
+
+
 def _eval_prompts(args: argparse.Namespace) -> list:
     from grpo_engine.data.errors import DataError
     from grpo_engine.data.loaders import load_gsm8k, load_jsonl_prompts, load_math500
@@ -230,12 +248,25 @@ def _eval(args: argparse.Namespace) -> int:
     from grpo_engine.data.templates import default_template
     from grpo_engine.eval import evaluate
     from grpo_engine.models import load_model
+    from grpo_engine.rewards.function import FunctionReward
     from grpo_engine.rewards.math import MathAccuracy
+    from grpo_engine.sampling.hf import HFSampler
+    from grpo_engine.spec import BuildError, load
+    from grpo_engine.tools.rollout import ToolSampler
 
-    try:
+    try:  # import paths name the user's objects (their code runs): the reward, tools, environment, parser
+        reward = MathAccuracy() if args.reward is None else load(args.reward)
+        reward = reward() if isinstance(reward, type) else reward
+        reward = reward if hasattr(reward, "name") else FunctionReward(reward)  # TRL's reward function
+        tools = [load(path.strip()) for path in args.tools.split(",") if path.strip()] if args.tools else []
+        environment = load(args.environment) if args.environment else None
+        if not (tools or environment) and (args.max_turns or args.parser):
+            raise BuildError("--max-turns and --parser apply to multi-turn evaluation; add --tools "
+                             "module:function or --environment module:Class, or leave them out")
+        parser = load(args.parser)() if args.parser else None
         prompts = _eval_prompts(args)
         model, tokenizer = load_model(args.model, dtype=args.dtype)
-    except (DataError, OSError) as exc:
+    except (DataError, OSError, BuildError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.adapter:
@@ -248,10 +279,20 @@ def _eval(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     template = default_template(tokenizer, system=args.template_system, instruction=args.template_instruction)
-    report = evaluate(model, tokenizer, prompts, MathAccuracy(), template=template, k=args.k,
+    sampler = None
+    if tools or environment:  # multi-turn rollouts; --max-new-tokens is each rollout's budget
+        try:
+            sampler = ToolSampler(HFSampler(model, tokenizer, template=template, max_prompt_tokens=10**9,
+                                            max_completion_tokens=args.max_new_tokens, return_logprobs=False),
+                                  tools=tools, environment_factory=environment, parser=parser,
+                                  max_turns=args.max_turns or 4)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    report = evaluate(model, tokenizer, prompts, reward, template=template, k=args.k,
                       temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                       batch_size=args.batch_size, seed=args.seed, greedy=not args.no_greedy,
-                      progress=not args.no_progress_bar)
+                      progress=not args.no_progress_bar, sampler=sampler)
     run = {"model": args.model, "adapter": args.adapter, "dataset": args.dataset, "data": args.data,
            "split": args.split if args.dataset == "gsm8k" and args.data is None else None,
            "limit": args.limit, "dtype": args.dtype, "device": device}
@@ -276,7 +317,8 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval", help="pass@1 / pass@k / maj@k of a model on GSM8K, MATH-500 or a JSONL file",
         description="Greedy pass@1 and, with --k > 1, k samples per prompt (avg@k = sampled pass@1, unbiased "
-        "pass@k, maj@k), scored with MathAccuracy (math-verify). Writes a JSON report and prints a table.")
+        "pass@k, maj@k), scored with MathAccuracy (math-verify) or --reward; with --tools / --environment, "
+        "of multi-turn rollouts in which the model calls them. Writes a JSON report and prints a table.")
     p.add_argument("--model", required=True, help="local folder in transformers layout, or a hub id")
     p.add_argument("--adapter", help="a peft adapter folder (e.g. runs/x/final from LoRA training) to apply")
     p.add_argument("--dataset", required=True, choices=["gsm8k", "math500", "jsonl"], help="the data format")
@@ -302,6 +344,16 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="weight dtype (default %(default)s)")
     p.add_argument("--device", help="torch device (default cuda when available, else cpu)")
     p.add_argument("--no-progress-bar", action="store_true", help="no progress bar")
+    p.add_argument("--reward", help="import path (module:name) of a reward class, object or TRL-style reward "
+                   "function that decides correctness; with tools it may read the episode and environment "
+                   "(default MathAccuracy)")
+    p.add_argument("--tools", help="comma-separated import paths of tool functions (module:function,...): "
+                   "multi-turn evaluation in which the model calls them (their code runs)")
+    p.add_argument("--environment", help="import path (module:Class) of an environment factory, one per "
+                   "rollout; its public methods are tools, rewards may read it")
+    p.add_argument("--max-turns", type=_positive(int), help="model turns per rollout with tools (default 4)")
+    p.add_argument("--parser", help="import path (module:Class) of the tool-call parser, built without "
+                   "arguments (default grpo_engine.tools:HermesParser)")
     p.add_argument("--output", required=True, help="path of the JSON report (written atomically)")
 
 
@@ -417,9 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Measures held-out accuracy, trains GRPO + LoRA (the step count fixed "
                           "by timing the warm-up and steps 5-20 against the budget), measures again, and "
                           "prints a JSON summary as its last line.")
-    demo.add_argument("--task", choices=("arithmetic", "comparison"), default=DemoSettings.task,
-                      help="two-digit + / - problems, or the largest / smallest of three numbers "
-                      "(default %(default)s)")
+    demo.add_argument("--task", type=_demo_task, default=DemoSettings.task,
+                      help="arithmetic (two-digit + / - problems), comparison (the largest / smallest of "
+                      "three numbers), or a reasoning-gym family, rg:FAMILY or its bare name, e.g. "
+                      "rg:leg_counting (needs pip install 'grpo-engine[tasks]'; default %(default)s)")
     demo.add_argument("--max-steps", type=int, default=DemoSettings.max_steps,
                       help="steps to train when they fit in the budget (default %(default)s)")
     demo.add_argument("--train-seconds", type=float, default=DemoSettings.train_seconds,

@@ -30,8 +30,8 @@ import torch
 
 from grpo_engine.checkpoint import save_pretrained_atomic
 
-__all__ = ["DemoSettings", "recipe_components", "recipe_rewards", "demo_task", "idle_cores", "smollm2_folder",
-           "run_demo", "plan_note"]
+__all__ = ["DemoSettings", "recipe_components", "recipe_rewards", "demo_task", "demo_reward", "idle_cores",
+           "smollm2_folder", "run_demo", "plan_note"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -119,8 +119,13 @@ def recipe_rewards(settings: DemoSettings, accuracy: Any = None) -> list:
     return [FinishedOnly(accuracy) if settings.finished_only else accuracy]
 
 
+BUILT_IN_TASKS = ("arithmetic", "comparison")
+
+
 def demo_task(settings: DemoSettings) -> tuple[list, list]:
-    """The (train, test) prompts of ``settings.task``, drawn with ``settings.seed``.
+    """The (train, test) prompts of ``settings.task``, drawn with ``settings.seed``: a built-in task, or
+    any other name a reasoning-gym family (``reasoning_gym_task``, its ``"direct"`` system prompt: the
+    answer in ``<answer>`` tags, no reasoning), held-out disjoint from training.
 
     Example:
         >>> train, test = demo_task(DemoSettings(task="comparison", num_train=3, num_test=2))
@@ -131,8 +136,33 @@ def demo_task(settings: DemoSettings) -> tuple[list, list]:
 
     tasks = {"arithmetic": arithmetic_task, "comparison": comparison_task}
     if settings.task not in tasks:
-        raise ValueError(f"task={settings.task!r} is not one of {sorted(tasks)}; use 'arithmetic'")
+        from grpo_engine.data.errors import DataError
+        from grpo_engine.tasks.reasoning_gym import check_family, reasoning_gym_task
+
+        try:
+            check_family(settings.task)
+        except DataError as exc:
+            raise ValueError(f"task={settings.task!r} is not one of {sorted(tasks)}, and {exc}") from None
+        return reasoning_gym_task(settings.task, settings.num_train, settings.num_test, seed=settings.seed,
+                                  system_prompt="direct")
     return tasks[settings.task](settings.num_train, settings.num_test, seed=settings.seed)
+
+
+def demo_reward(settings: DemoSettings) -> Any:
+    """The task's accuracy: ``MathAccuracy()`` on a built-in task, the family's own scorer
+    (``ReasoningGymScore()``) on a reasoning-gym family.
+
+    Example:
+        >>> type(demo_reward(DemoSettings())).__name__
+        'MathAccuracy'
+    """
+    if settings.task in BUILT_IN_TASKS:
+        from grpo_engine.rewards.math import MathAccuracy
+
+        return MathAccuracy()
+    from grpo_engine.tasks.reasoning_gym import ReasoningGymScore
+
+    return ReasoningGymScore()
 
 
 def idle_cores(seconds: float = 0.5) -> int:
@@ -211,7 +241,6 @@ def _run(s: DemoSettings) -> dict:
     from grpo_engine.eval import greedy_accuracy
     from grpo_engine.memory.plan import LoRA, MemoryPlan
     from grpo_engine.models import load_model
-    from grpo_engine.rewards.math import MathAccuracy
     from grpo_engine.trainer import GRPOTrainer
 
     wall = time.perf_counter()
@@ -220,7 +249,7 @@ def _run(s: DemoSettings) -> dict:
     torch.manual_seed(s.seed)
     model, tokenizer = load_model(smollm2_folder())
     train, test = demo_task(s)
-    template, reward = ChatTemplate(instruction=s.instruction), MathAccuracy()
+    template, reward = ChatTemplate(instruction=s.instruction), demo_reward(s)
 
     def accuracy(policy: torch.nn.Module) -> float:  # greedy, at eval_max_new_tokens: ended or not
         return greedy_accuracy(policy, tokenizer, test, reward, template=template,

@@ -116,7 +116,8 @@ class StageTimer:
 
 def rollout_metrics(batch: RolloutBatch, rewards: RewardOutput) -> dict[str, float]:
     """The logged numbers of a step's batch: reward mean / std (total and per reward), completion
-    lengths, the truncated and zero-std fractions, generated tokens."""
+    lengths and generated tokens (the model's tokens: with tools, not the environment's), the truncated
+    and zero-std fractions."""
     lengths = batch.completion_lengths.float()
     total = rewards.total.float()
     metrics = {

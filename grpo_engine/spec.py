@@ -29,7 +29,7 @@ from grpo_engine.config import ConfigError, FrozenModel, GRPOConfig, format_vali
 from grpo_engine.memory.plan import MemoryPlan
 
 __all__ = ["BuildError", "ComponentSpec", "ConfigError", "RunSpec", "build", "format_validation_error",
-           "loss_of", "rewards_of", "trusted"]
+           "load", "loss_of", "rewards_of", "trusted"]
 
 
 class ComponentSpec(FrozenModel):
@@ -129,28 +129,42 @@ def build(spec: ComponentSpec) -> Any:
     Raises:
         BuildError: the import path does not resolve (naming the closest match), or the call fails.
     """
-    module_name, _, attr = spec.target.rpartition(".")
-    if not module_name:
-        raise BuildError(f"{spec.target!r} is not an import path; write e.g. "
+    target = load(spec.target)
+    try:
+        if spec.kind == "reward_function":
+            from grpo_engine.rewards.function import FunctionReward
+
+            return FunctionReward(target, **spec.kwargs)
+        return target(**spec.kwargs)
+    except (TypeError, ValueError) as exc:
+        raise BuildError(f"cannot build {spec.target} with {spec.kwargs}: {exc}") from exc
+
+
+def load(target: str) -> Any:
+    """The object at an import path, ``package.module.Name`` or ``package.module:Name``: imported, not called.
+
+    Raises:
+        BuildError: the path does not resolve (naming the closest match).
+
+    Example:
+        >>> load("grpo_engine.rewards:MathAccuracy").__name__
+        'MathAccuracy'
+    """
+    module_name, _, attr = target.rpartition(":" if ":" in target else ".")
+    if not module_name or not attr:
+        raise BuildError(f"{target!r} is not an import path; write e.g. "
                          "grpo_engine.rewards.MathAccuracy")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise BuildError(f"cannot import {spec.target!r}: no module {module_name!r}"
+        raise BuildError(f"cannot import {target!r}: no module {module_name!r}"
                          f"{_closest_module(module_name)}") from exc
     if not hasattr(module, attr):
         names = [n for n in dir(module) if not n.startswith("_")]
         match = difflib.get_close_matches(attr, names, n=1)
         hint = f"; did you mean '{module_name}.{match[0]}'?" if match else ""
-        raise BuildError(f"cannot import {spec.target!r}: {module_name} has no {attr!r}{hint}")
-    try:
-        if spec.kind == "reward_function":
-            from grpo_engine.rewards.function import FunctionReward
-
-            return FunctionReward(getattr(module, attr), **spec.kwargs)
-        return getattr(module, attr)(**spec.kwargs)
-    except (TypeError, ValueError) as exc:
-        raise BuildError(f"cannot build {spec.target} with {spec.kwargs}: {exc}") from exc
+        raise BuildError(f"cannot import {target!r}: {module_name} has no {attr!r}{hint}")
+    return getattr(module, attr)
 
 
 def rewards_of(spec: RunSpec) -> Any:

@@ -54,7 +54,7 @@ from grpo_engine.rewards.compose import WeightedSum
 from grpo_engine.rewards.runner import trainer_runner
 from grpo_engine.rollout import Rollouts
 from grpo_engine.sampling import HFSampler, agreed_config
-from grpo_engine.tools.rollout import with_tools
+from grpo_engine.tools.rollout import ToolSampler, with_tools
 from grpo_engine.types import Prompt, Rollout, RolloutBatch
 
 __all__ = ["GRPOTrainer"]
@@ -241,16 +241,16 @@ class GRPOTrainer:
         return metrics
 
     def evaluate(self, prompts: Sequence[Prompt], *, reward: RewardFn | None = None,
-                 max_new_tokens: int | None = None) -> dict[str, float]:
-        """Greedy pass@1 of the current policy on ``prompts``: ``{"eval/pass@1": ...}``.
+                 max_new_tokens: int | None = None, **options: Any) -> dict[str, float]:
+        """The current policy's :func:`evaluate` metrics on ``prompts``: ``{"eval/pass@1": ...}``.
 
-        Uses the trainer's template (the chat template when none was given), ``reward`` (default:
-        the first reward) and ``max_new_tokens`` (default: ``max_completion_tokens``)."""
-        cfg = self.config
+        Uses the trainer's template, ``reward`` (default: the first reward), ``max_new_tokens`` (default:
+        ``max_completion_tokens``), its ToolSampler with tools (multi-turn) and ``options``, more keywords."""
+        cfg, own = self.config, {"sampler": self.sampler} if isinstance(self.sampler, ToolSampler) else {}
         with self._autocast():
             report = evaluate(self.model, self.tokenizer, prompts, reward or self.rewards.rewards[0],
                               template=self.template, batch_size=cfg.completions_per_step, progress=False,
-                              max_new_tokens=max_new_tokens or cfg.max_completion_tokens)
+                              max_new_tokens=max_new_tokens or cfg.max_completion_tokens, **own | options)
         return {f"eval/{name}": value for name, value in report.metrics.items()}
 
     # -- state and checkpoints -------------------------------------------------------------------

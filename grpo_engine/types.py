@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Message", "Prompt", "Draws", "Episode", "RolloutBatch", "RewardOutput", "Rollout", "StepRollout",
-           "MicroBatch", "TokenLoss", "LossOutput", "Requirements"]
+__all__ = ["Message", "Prompt", "Draws", "Episode", "EPISODE_ENDS", "RolloutBatch", "RewardOutput", "Rollout",
+           "StepRollout", "MicroBatch", "TokenLoss", "LossOutput", "Requirements"]
 
 Message = Mapping[str, str]  # {"role": "user", "content": "..."}
 
@@ -108,6 +108,10 @@ class Draws:
         return self.total_prompts if self.total_prompts is not None else num_prompts
 
 
+EPISODE_ENDS = ("answered", "turn_limit", "token_limit", "reply_too_long", "tool_timeout")
+"""The ways a multi-turn rollout ends (:attr:`Episode.end`); docs/tools.md has the table."""
+
+
 @dataclass(frozen=True)
 class Episode:
     """What happened in one multi-turn rollout (a row of a batch sampled with tools).
@@ -121,17 +125,31 @@ class Episode:
         turns: the model's turns.
         environment: the row's environment object (``environment_factory``), or None; it stays in the
             process that sampled the row (not sent to other ranks).
+        end: how the rollout ended, one of :data:`EPISODE_ENDS`: ``"answered"`` (a turn without a tool
+            call), ``"turn_limit"`` (a call in the last allowed turn: not run), ``"token_limit"`` (the
+            budget ran out in a turn, or left no room for the call's reply: not run), ``"reply_too_long"``
+            (the calls ran; their replies are cut to the budget, in the messages and the tokens alike)
+            or ``"tool_timeout"`` (an environment's call timed out). Every end but ``"answered"`` is a
+            truncated row (``RolloutBatch.is_truncated``).
+
+    Raises:
+        ValueError: ``end`` is not one of :data:`EPISODE_ENDS`.
     """
 
     messages: tuple[Mapping[str, Any], ...]
     tool_calls: tuple[Mapping[str, Any], ...] = ()
     turns: int = 1
     environment: Any = None
+    end: str = "answered"
+
+    def __post_init__(self) -> None:
+        if self.end not in EPISODE_ENDS:
+            raise ValueError(f"Episode: end={self.end!r} is not an end state; pass one of {EPISODE_ENDS}")
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickles without the environment (an object of the user's, often not picklable)."""
         return Episode, (tuple(dict(m) for m in self.messages), tuple(dict(c) for c in self.tool_calls),
-                         self.turns, None)
+                         self.turns, None, self.end)
 
 
 @dataclass(frozen=True)
@@ -148,7 +166,8 @@ class RolloutBatch:
         completion_ids: [N, C] right-padded sampled ids, the EOS token included when sampled.
         completion_mask: [N, C] True on sampled tokens up to and including the first EOS (with
             tools: on every token of the rollout, the model's and the environment's).
-        is_truncated: [N] True when the completion hit ``max_completion_tokens`` without EOS.
+        is_truncated: [N] True when the completion hit ``max_completion_tokens`` without EOS (with tools:
+            when the rollout ended any other way than with the model's answer, ``Episode.end``).
         texts: the N decoded completions (special tokens removed); with tools, the model's last turn.
         sampler_logprobs: [N, C] log-probabilities of the sampled ids under the sampling
             distribution at the sampling temperature, or None when the sampler does not report them.
@@ -216,8 +235,9 @@ class RolloutBatch:
 
     @property
     def completion_lengths(self) -> Tensor:
-        """[N] number of sampled tokens of each completion."""
-        return self.completion_mask.sum(dim=1)
+        """[N] number of tokens the model sampled in each completion: with tools, the environment's tokens
+        (``env_mask``) are not counted (:attr:`loss_mask`), as TRL counts them."""
+        return self.loss_mask.sum(dim=1)
 
     @property
     def loss_mask(self) -> Tensor:

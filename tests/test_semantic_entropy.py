@@ -1,5 +1,6 @@
 """Semantic entropy (clustering, discrete, likelihood, correctness-aware) and EntropyScaled, by hand."""
 
+import dataclasses
 import math
 
 import pytest
@@ -141,6 +142,18 @@ def test_likelihood_hand_case_probabilities_point_eight_and_point_two():
     assert SemanticEntropy(mode="likelihood")(shifted, zeros(1, 4)).item() == pytest.approx(H_08_02, abs=1e-5)
     # counts ignore them
     assert SemanticEntropy()(batch, zeros(1, 4)).item() == pytest.approx(H_3_1, abs=1e-6)
+
+
+def test_likelihood_with_tools_averages_over_the_models_tokens_only():
+    # a tool's tokens (env_mask) carry log-prob 0 and are not the model's: row 0 is 2 model tokens of
+    # ln .4 around 2 of a tool's, so l = ln .4 (counting the tool's tokens: ln .4 / 2); rows 1-3 are 1 model
+    # token of ln .2 and 3 of a tool's, l = ln .2 (not ln .2 / 4): the hand case above again, p = .8 / .2
+    logprobs = torch.tensor([[LN(0.4), 0.0, 0.0, LN(0.4)]] + [[LN(0.2), 0.0, 0.0, 0.0]] * 3)
+    env = torch.tensor([[0, 1, 1, 0]] + [[0, 1, 1, 1]] * 3, dtype=torch.bool)
+    batch = dataclasses.replace(make_batch([HALVES], logprobs), env_mask=env)
+    assert sequence_log_likelihood(batch).tolist() == pytest.approx([LN(0.4), LN(0.2), LN(0.2), LN(0.2)],
+                                                                    abs=1e-6)
+    assert SemanticEntropy(mode="likelihood")(batch, zeros(1, 4)).item() == pytest.approx(H_08_02, abs=1e-6)
 
 
 def test_likelihood_mode_without_sampler_logprobs_names_the_fix():

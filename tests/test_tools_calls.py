@@ -203,14 +203,21 @@ class CallsWait:
 def test_a_rollout_whose_environments_call_timed_out_ends_there():
     tok = char_tokenizer()
     tok.chat_template = TEMPLATE
-    sampler = ToolSampler(HFSampler(turn_taking_model(tok), tok, max_completion_tokens=96),
+    sampler = ToolSampler(HFSampler(turn_taking_model(tok), tok, max_completion_tokens=256),
                           environment_factory=Hangs, parser=CallsWait(), max_turns=3, tool_timeout_s=0.1)
     batch = sampler.sample([Prompt("1+1?")], group_size=2, temperature=1.0, draws=Draws(seed=1))
     assert batch.metrics["turns/ended_by_timeout"] == 2 and batch.metrics["tools/timeouts"] == 2
-    for episode in batch.episodes:
-        assert episode.turns == 1  # no turn after the timeout, and no environment tokens for it
+    assert batch.metrics["ends/tool_timeout"] == 2 and batch.is_truncated.all()
+    for i, episode in enumerate(batch.episodes):
+        assert episode.turns == 1 and episode.end == "tool_timeout"  # no turn after the timeout
         replies = [m["content"] for m in episode.messages if m["role"] == "tool"]
         assert "did not return within 0.1 s" in replies[0] and "not run" in replies[1]
-    assert not batch.env_mask.any()
+        # the replies stand in the tokens as in the messages, after the model's only turn, never trained on
+        env = batch.env_mask[i] & batch.completion_mask[i]
+        assert tok.decode(batch.completion_ids[i][env]) == "".join(
+            f"\n<tool>{r}<eos>" for r in replies) + "\n<assistant>"
+        env = batch.env_mask[i][batch.completion_mask[i]]
+        first = int(env.nonzero()[0])
+        assert not env[:first].any() and env[first:].all()  # the model's turn, then the replies to the end
     time.sleep(0.45)
     assert [e.environment.calls for e in batch.episodes] == [1, 1]  # the second call was never made

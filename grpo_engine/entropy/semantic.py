@@ -7,8 +7,9 @@ are clustered greedily (:func:`cluster_answers`): an answer joins the first clus
 equals in both directions (``equal``, by default math-verify's ``answers_equal``; identical strings always
 match), and a completion without an answer is a cluster of its own; (3) SE = -Σ_c p_c ln p_c, with
 p_c = |c| / G (``mode="discrete"``) or p_c = Σ_{s in c} exp(l_s) / Σ_s exp(l_s) (``mode="likelihood"``,
-l_s the mean of ``batch.sampler_logprobs`` over s's kept tokens, by logsumexp: the sum-normalised form,
-not Kuhn et al.'s Monte Carlo -(1/|C|) Σ_c ln p(c)); (4) ``normalize=True`` divides by ln G, into [0, 1].
+l_s the mean of ``batch.sampler_logprobs`` over the tokens s's model sampled (``loss_mask``: never a tool's),
+by logsumexp: the sum-normalised form, not Kuhn et al.'s Monte Carlo -(1/|C|) Σ_c ln p(c)); (4)
+``normalize=True`` divides by ln G, into [0, 1].
 ``among="wrong"`` / ``"right"``: the same over the completions whose score (``rewards.total``, or
 ``breakdown[correct_key]``) is below / at or above ``correct_threshold``; clusters come from the whole
 group, p_c is renormalised over the m members, ``normalize`` divides by ln m, and m < 2 gives 0.
@@ -71,9 +72,11 @@ def cluster_answers(
 
 
 def sequence_log_likelihood(batch: RolloutBatch) -> Tensor:
-    """[N] length-normalised log-likelihood of each completion: mean sampler log-prob over its kept tokens.
+    """[N] length-normalised log-likelihood of each completion: mean sampler log-prob over the tokens the
+    model sampled (``batch.loss_mask``: with tools, the environment's tokens count neither in the sum nor in
+    the length).
 
-    A completion with no kept token gets 0 (an empty sum, divided by 1). The log-probs are at the
+    A completion with no such token gets 0 (an empty sum, divided by 1). The log-probs are at the
     sampling temperature, as the sampler reports them.
 
     Raises:
@@ -84,7 +87,7 @@ def sequence_log_likelihood(batch: RolloutBatch) -> Tensor:
             "SemanticEntropy(mode='likelihood') needs batch.sampler_logprobs but the sampler reported none; "
             "sample with HFSampler(return_logprobs=True), or use SemanticEntropy(mode='discrete')"
         )
-    mask = batch.completion_mask
+    mask = batch.loss_mask.to(batch.sampler_logprobs.device)
     lp = batch.sampler_logprobs.to(torch.promote_types(batch.sampler_logprobs.dtype, torch.float32))
     total = torch.where(mask, lp, torch.zeros_like(lp)).sum(dim=1)  # where, not *: masked slots may be -inf
     return total / mask.sum(dim=1).clamp(min=1).to(total.dtype)

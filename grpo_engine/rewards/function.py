@@ -18,8 +18,9 @@ called with keyword arguments, as TRL 1.16's ``GRPOTrainer`` calls it (so ``def 
   counterpart here).
 - every metadata column of the prompts (a dataset's other columns, e.g. ``answer`` or ``solution``)
   plus ``target``, each a list with one value per completion; with tools, also ``conversations``
-  (each rollout's messages after the prompt) and ``environments`` (each rollout's environment, or
-  None).
+  (each rollout's messages after the prompt), ``environments`` (each rollout's environment, or
+  None) and ``episode_ends`` (how each rollout ended, ``Episode.end``: ``"answered"``, ``"turn_limit"``,
+  ``"token_limit"``, ``"reply_too_long"`` or ``"tool_timeout"``).
 
 An ``async def`` function is awaited (one at a time; TRL awaits several side by side).
 
@@ -91,8 +92,9 @@ class FunctionReward:
                  episodes: Sequence[Episode] | None = None, *,
                  completion_ids: Sequence[list[int]] | None = None, trainer_state: Any = None) -> Tensor:
         """[N] float32 scores, NaN where the function returned None; ``episodes``: a multi-turn batch's
-        (passed on as the ``conversations`` and ``environments`` columns); ``completion_ids`` and
-        ``trainer_state`` as the runner hands them (``completion_ids`` is ``[]`` per row without them)."""
+        (passed on as the ``conversations``, ``environments`` and ``episode_ends`` columns);
+        ``completion_ids`` and ``trainer_state`` as the runner hands them (``completion_ids`` is ``[]`` per
+        row without them)."""
         if len(prompts) != len(completions):
             raise ValueError(f"reward {self.name!r}: got {len(prompts)} prompts and {len(completions)} "
                              "completions")
@@ -100,7 +102,8 @@ class FunctionReward:
         self._metrics = {}
         try:
             extra = {} if episodes is None else {"conversations": [list(e.messages) for e in episodes],
-                                                 "environments": [e.environment for e in episodes]}
+                                                 "environments": [e.environment for e in episodes],
+                                                 "episode_ends": [e.end for e in episodes]}
             result = self.fn(
                 prompts=contents, completions=self._completions(prompts, completions, episodes),
                 completion_ids=[list(i) for i in completion_ids] if completion_ids is not None else

@@ -17,8 +17,10 @@ L_c = ``cache_tokens`` (the soft zone below it):
 
 so it falls linearly from 0 to -1 over the last L_c tokens, and a completion cut at L_max gets -1
 (DAPO: weight 1, L_max = 20,480, L_c = 4,096). L is ``RolloutBatch.completion_lengths``, the sampled
-tokens up to and including the first EOS. Text carries no token count, so the reward defines
-``score_rollout(batch)``, which ``WeightedSum`` calls instead of ``__call__(prompts, completions)``;
+tokens up to and including the first EOS; with tools, the model's tokens only (a tool's reply is not the
+model's length), while the rollout's budget counts both, so a rollout cut by its budget may score above
+-1 (``FinishedOnly`` or ``Episode.end`` tell a cut rollout). Text carries no token count, so the reward
+defines ``score_rollout(batch)``, which ``WeightedSum`` calls instead of ``__call__(prompts, completions)``;
 calling it on texts raises a ``TypeError`` that says so.
 """
 
@@ -99,7 +101,8 @@ class OverlongPenalty(Reward):
         return (over / self.cache_tokens).clamp(min=-1.0).to(torch.float32)
 
     def score_rollout(self, batch: RolloutBatch) -> Tensor:
-        """[N] float32 penalties of the batch's completions, from ``batch.completion_lengths``."""
+        """[N] float32 penalties of the batch's completions, from ``batch.completion_lengths`` (the model's
+        tokens; with tools, not the environment's)."""
         return self.penalty(batch.completion_lengths)
 
     def score(self, prompt: Prompt, completion: str) -> float:

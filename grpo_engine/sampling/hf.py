@@ -397,7 +397,10 @@ class HFSampler:
         self.decoding_kept = None
 
     def token_draw(self, temperature: float) -> TokenDraw:
-        """The token draw of the sampler's settings at ``temperature``."""
+        """The token draw of the sampler's settings at ``temperature``; 0 is greedy decoding (the argmax,
+        top-k and top-p aside; its log-probs are the untempered distribution's), as in vLLM."""
+        if temperature == 0:
+            return TokenDraw(greedy=True, logprobs=self.return_logprobs)
         return TokenDraw(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
                          logprobs=self.return_logprobs)
 

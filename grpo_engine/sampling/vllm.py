@@ -18,10 +18,22 @@
   model both were given) and runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
   ``gpu_memory_utilization`` of the accelerator; ``sleep_between_steps`` frees its memory while the
   trainer trains where vLLM supports sleep mode (GPUs).
+- Under ``torchrun`` every rank builds its own engine on its own device (``LOCAL_RANK``), joined to the
+  launch's process group as vLLM's ``external_launcher`` (tensor parallel 1: nothing is exchanged while
+  sampling), samples only its share of the step's prompts with the seeds above, so K ranks draw what one
+  process draws, and syncs it from its own weights (equal on every rank after each optimizer step).
+  vLLM's teardown ends the process group: :meth:`VLLMSampler.close` comes after the run's last collective.
+- Multi-turn (``generate_turn``, what :class:`~grpo_engine.tools.rollout.ToolSampler` calls): one request
+  per row, its whole context as exact token ids, prefix caching on (the engine reuses the KV of what the
+  earlier turns computed); the sync runs at a step's first turn, later turns find nothing changed
+  (:mod:`~grpo_engine.sampling.vllm_turns`). Under ``sleep_between_steps`` the engine sleeps after every
+  turn, which empties its prefix cache.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shutil
 import tempfile
@@ -36,7 +48,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from grpo_engine.sampling.hf import HFSampler
+from grpo_engine.sampling.turns import Turn
+from grpo_engine.sampling.vllm_turns import as_turn, turn_requests
 from grpo_engine.types import Draws, Prompt, RolloutBatch
+from grpo_engine.world import World
 
 __all__ = ["SyncedSampler", "VLLMSampler"]
 
@@ -86,16 +101,11 @@ class SyncedSampler(HFSampler):
 
     @classmethod
     def check_settings(cls, settings: dict[str, Any], lora_sync: str) -> None:
-        """Refuses unknown settings, a bad ``lora_sync`` and a launch of several ranks."""
+        """Refuses unknown settings and a bad ``lora_sync``."""
         name = cls.__name__
         unknown = set(settings) - cls._SETTINGS
         if unknown:
             raise TypeError(f"{name} got unknown settings {sorted(unknown)}; {cls._ENGINE_ARGUMENTS}")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError(f"{name} is one engine for one trainer process; under torchrun with "
-                             f"{os.environ['WORLD_SIZE']} ranks each would need its own engine (or its own "
-                             "adapter on a shared server), which is not built yet: use HFSampler (the "
-                             "default) there")
         if lora_sync not in ("adapter", "merged"):
             raise ValueError(f"lora_sync={lora_sync!r} must be 'adapter' (a LoRA adapter loaded per step) or "
                              "'merged' (the adapter merged into a float32 copy of the base weights, loaded "
@@ -223,10 +233,25 @@ class VLLMSampler(SyncedSampler):
                     gpu_memory_utilization=self.gpu_memory_utilization, logprobs_mode="processed_logprobs",
                     max_model_len=self.max_prompt_tokens + self.max_completion_tokens,
                     dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
-                    enable_sleep_mode=self.sleep_between_steps)
+                    enable_sleep_mode=self.sleep_between_steps, enable_prefix_caching=True)
         if self.lora and self.lora_sync == "adapter":
             args.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
-        self.engine = _vllm().LLM(**{**args, **self.engine_kwargs})
+        several = World.current().size > 1  # under torchrun: the process group started if it was not yet
+        if several:  # one engine per rank (its LOCAL_RANK device) in the launch's process group
+            args.update(distributed_executor_backend="external_launcher")
+        with own_rng():  # vLLM seeds torch's generators as it starts
+            self.engine = _vllm().LLM(**{**args, **self.engine_kwargs})
+        if several:  # at exit, before the group ends (vLLM's teardown of a later group would fail)
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Shuts the engine down (its memory released), removes the adapters and weights saved for it and
+        stops counting optimizer steps. vLLM's teardown ends the process group too (under ``torchrun``
+        the launch's): close the sampler after the run's last collective, or leave it to the exit."""
+        if self.engine is not None:
+            self.engine.llm_engine.engine_core.shutdown()
+            self.engine = None
+        super().close()
 
     # -- weight sync -----------------------------------------------------------------------------
 
@@ -260,11 +285,7 @@ class VLLMSampler(SyncedSampler):
             raise ValueError("sample() got no prompts; pass at least one Prompt")
         temperature = self.temperature if temperature is None else temperature
         draws = draws if draws is not None else Draws.seeded()
-        if self.engine is None:
-            self._start()
-        elif self.sleep_between_steps:
-            self.engine.wake_up()
-        self.last_sync_seconds = self.sync()
+        self.last_sync_seconds = self._ready()
         ids, mask = self.encode_prompts(prompts)
         requests = [TokensPrompt(prompt_token_ids=row[m].tolist()) for row, m in zip(ids, mask)]
         params = [vllm.SamplingParams(n=group_size, temperature=temperature, top_p=self.top_p,
@@ -273,12 +294,67 @@ class VLLMSampler(SyncedSampler):
                                       seed=(draws.seed + draws.first_prompt + b) % 2**31,
                                       stop_token_ids=self.eos_ids, skip_special_tokens=True)
                   for b in range(len(prompts))]
-        outputs = self.engine.generate(requests, params, lora_request=self._lora_request, use_tqdm=False)
-        if self.sleep_between_steps:
-            self.engine.sleep(level=1)
+        with own_rng():
+            outputs = self.engine.generate(requests, params, lora_request=self._lora_request, use_tqdm=False)
+        self._rest()
         rows = [(list(c.token_ids), [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)])
                 for out in outputs for c in out.outputs]
         return self._batch(prompts, group_size, ids, mask, rows)
+
+    @torch.no_grad()
+    def generate_turn(self, contexts: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
+                      places: Sequence[int], temperature: float, seed: int,
+                      stop_texts: Sequence[str]) -> list[Turn]:
+        """One model turn per context from the engine, each context sent as its exact token ids (the
+        prefix cache serves what an earlier turn computed), after a weight sync if one is due (the first
+        turn of a step; later turns find nothing changed); the
+        :class:`~grpo_engine.sampling.turns.TurnGenerator` protocol, with the requests of
+        :func:`~grpo_engine.sampling.vllm_turns.turn_requests`.
+
+        Example:
+            >>> # turns = sampler.generate_turn([prompt_ids], max_new_tokens=[64], places=[0],
+            >>> #                               temperature=1.0, seed=0, stop_texts=["</tool_call>"])
+        """
+        vllm = _vllm()
+        from vllm.inputs import TokensPrompt
+
+        settings = turn_requests(contexts, max_new_tokens=max_new_tokens, places=places,
+                                 temperature=temperature, seed=seed, stop_texts=stop_texts, top_p=self.top_p,
+                                 top_k=self.top_k, eos_ids=self.eos_ids)
+        if not settings:
+            return []
+        self.last_sync_seconds = self._ready()
+        with own_rng():
+            outputs = self.engine.generate([TokensPrompt(prompt_token_ids=[int(i) for i in c])
+                                            for c in contexts], [vllm.SamplingParams(**s) for s in settings],
+                                           lora_request=self._lora_request, use_tqdm=False)
+        self._rest()
+        answers = [out.outputs[0] for out in outputs]
+        return [as_turn(c.token_ids, [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)],
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason, eos_ids=self.eos_ids)
+                for c in answers]
+
+    def _ready(self) -> float:
+        """Starts the engine (at the first call) or wakes it, and syncs the policy's weights if they
+        changed (a cheap check when they did not); returns the seconds the sync took."""
+        if self.engine is None:
+            self._start()
+        elif self.sleep_between_steps:
+            self.engine.wake_up()
+        return self.sync()
+
+    def _rest(self) -> None:
+        """Puts the engine to sleep (its memory released) under ``sleep_between_steps``."""
+        if self.sleep_between_steps:
+            self.engine.sleep(level=1)
+
+
+def own_rng() -> contextlib.AbstractContextManager[Any]:
+    """Keeps the caller's torch generators (CPU and this process's GPU) as they were around vLLM: its start
+    seeds them and each ``generate`` draws from them, as much as the batch asks, so the trainer's next
+    draws (the next step's seed) would depend on the engine and on how many ranks share the step."""
+    return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [])
+
 
 def _save_adapter(model: nn.Module, folder: Path) -> None:
     """The LoRA adapter of ``model`` in peft's format (``adapter_config.json`` and the safetensors weights):

@@ -12,9 +12,21 @@ with their log-probs. Weight sync, whenever the policy's trainable parameters ch
   safetensors and reloaded in place (``/collective_rpc`` ``reload_weights``, then
   ``/reset_prefix_cache``; the server needs ``VLLM_SERVER_DEV_MODE=1``).
 
+Under ``torchrun`` the ranks share one server, each sampling its share of the step's prompts (seeds keyed
+by the prompt's place in the whole step, so K ranks draw what one process draws). A sync changes what
+every rank samples with, so rank 0 alone makes it (saves, loads, unloads, reloads) while the others wait
+for it (a broadcast of its outcome: its error is raised on every rank), and every rank then names the
+same adapter: ``<run>-<n>``, the run named by rank 0's ``sync_dir`` (several runs share a server without
+taking each other's adapters). The old adapter is unloaded at the next sync, when every rank's requests
+with it have ended (the step's gradients were summed between).
+
 ``sync_dir`` must be a folder the server reads under the same path: on one machine the default (a
 folder in ``/dev/shm``) is; across machines, a shared filesystem. :func:`server_command` gives the
-command that starts a matching server.
+command that starts a matching server (prefix caching on).
+
+Multi-turn (``generate_turn``, what :class:`~grpo_engine.tools.rollout.ToolSampler` calls): one request
+per row, ``n=1``, its whole context as token ids, so the server's prefix cache serves what the earlier
+turns computed; the sync runs at a step's first turn (:mod:`~grpo_engine.sampling.vllm_turns`).
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import sys
 import urllib.error
 import urllib.request
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,8 +45,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from grpo_engine.sampling.turns import Turn
 from grpo_engine.sampling.vllm import SyncedSampler, _save_adapter
+from grpo_engine.sampling.vllm_turns import as_turn, turn_requests
 from grpo_engine.types import Draws, Prompt, RolloutBatch
+from grpo_engine.world import World
 
 __all__ = ["VLLMServerSampler", "server_command"]
 
@@ -57,7 +72,8 @@ def server_command(model: str | Path, *, host: str = "127.0.0.1", port: int = 80
     the development endpoints through which full fine-tuning (or ``lora_sync="merged"``) reloads weights;
     they let any client reload weights from the server's disk, so bind to 127.0.0.1 or a private network.
     Log-probs are served after the temperature (``--logprobs-mode processed_logprobs``), the quantity the
-    trainer computes. ``extra``: more ``vllm serve`` arguments (``--enforce-eager``...).
+    trainer computes; prefix caching is on (a multi-turn rollout's next turn reuses the context's KV).
+    ``extra``: more ``vllm serve`` arguments (``--enforce-eager``...).
 
     Example:
         >>> argv, env = server_command("path/to/model", port=8001, max_lora_rank=16, python="python")
@@ -66,7 +82,8 @@ def server_command(model: str | Path, *, host: str = "127.0.0.1", port: int = 80
     """
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--logprobs-mode", "processed_logprobs", "--served-model-name", "policy"]
+            "--logprobs-mode", "processed_logprobs", "--served-model-name", "policy",
+            "--enable-prefix-caching"]
     env: dict[str, str] = {}
     if max_lora_rank is not None:
         argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
@@ -111,6 +128,7 @@ class VLLMServerSampler(SyncedSampler):
         self.base_url, self.served_model = base_url.rstrip("/"), served_model
         self.timeout_s, self.api_key = timeout_s, api_key
         self.started, self._adapter_id, self._adapter_name = False, 0, None
+        self.world, self._run = World(), self.sync_dir.name  # the launch's, read at the first sample()
 
     # -- HTTP ------------------------------------------------------------------------------------
 
@@ -166,18 +184,25 @@ class VLLMServerSampler(SyncedSampler):
                 raise ValueError(f"the server at {self.base_url} returns {mode} log-probs; restart it with "
                                  "--logprobs-mode processed_logprobs (after the temperature, the trainer's "
                                  "quantity)")
+        self.world = World.current()  # under torchrun: the ranks share this server
+        self._run = self.world.broadcast(self._run)  # adapters named for rank 0's run
         self.started = True
 
     # -- weight sync -----------------------------------------------------------------------------
 
     def _sync_adapter(self) -> None:
         self._adapter_id += 1
-        name, folder = f"policy-{self._adapter_id}", self.sync_dir / f"adapter-{self._adapter_id}"
-        _save_adapter(self.model, folder)
-        self._request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
-        if self._adapter_name is not None:  # the server keeps one adapter of ours: the policy's now
-            self._request("/v1/unload_lora_adapter", {"lora_name": self._adapter_name})
-            shutil.rmtree(self.sync_dir / f"adapter-{self._adapter_id - 1}", ignore_errors=True)
+        name, folder = f"{self._run}-{self._adapter_id}", self.sync_dir / f"adapter-{self._adapter_id}"
+        old = self._adapter_name
+
+        def load() -> None:
+            _save_adapter(self.model, folder)
+            self._request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+            if old is not None:  # the server keeps one adapter of this run: the policy's now
+                self._request("/v1/unload_lora_adapter", {"lora_name": old})
+                shutil.rmtree(self.sync_dir / f"adapter-{self._adapter_id - 1}", ignore_errors=True)
+
+        self._on_main(load)
         self._adapter_name = name
 
     def _sync_weights(self) -> None:
@@ -185,14 +210,34 @@ class VLLMServerSampler(SyncedSampler):
 
         self._adapter_id += 1
         folder = self.sync_dir / f"weights-{self._adapter_id}"
-        folder.mkdir()
-        # one file; tied matrices saved as separate copies (safetensors refuses shared storage)
-        save_file({name: t.detach().to("cpu").contiguous().clone() for name, t in self.policy_weights()},
-                  str(folder / "model.safetensors"))
-        self._request("/collective_rpc", {"method": "reload_weights",
-                                          "kwargs": {"weights_path": str(folder)}})
-        self._request("/reset_prefix_cache", {})  # cached prompt KV came from the old weights
-        shutil.rmtree(self.sync_dir / f"weights-{self._adapter_id - 1}", ignore_errors=True)
+
+        def reload() -> None:
+            folder.mkdir()
+            # one file; tied matrices saved as separate copies (safetensors refuses shared storage)
+            save_file({name: t.detach().to("cpu").contiguous().clone() for name, t in self.policy_weights()},
+                      str(folder / "model.safetensors"))
+            self._request("/collective_rpc", {"method": "reload_weights",
+                                              "kwargs": {"weights_path": str(folder)}})
+            self._request("/reset_prefix_cache", {})  # cached prompt KV came from the old weights
+            shutil.rmtree(self.sync_dir / f"weights-{self._adapter_id - 1}", ignore_errors=True)
+
+        self._on_main(reload)
+
+    def _on_main(self, change: Callable[[], None]) -> None:
+        """Makes ``change`` to the shared server on rank 0 alone (on one process: here); every other rank
+        waits for its outcome before it samples, and raises rank 0's error if it failed."""
+        failure = None
+        if self.world.is_main:
+            try:
+                change()
+            except Exception as exc:
+                failure = exc
+        told = self.world.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if told is not None:
+            raise RuntimeError(f"rank 0 could not sync the policy to the vLLM server at {self.base_url}, "
+                               f"so this rank stops too: {told}")
 
     # -- sampling --------------------------------------------------------------------------------
 
@@ -204,19 +249,16 @@ class VLLMServerSampler(SyncedSampler):
             raise ValueError("sample() got no prompts; pass at least one Prompt")
         temperature = self.temperature if temperature is None else temperature
         draws = draws if draws is not None else Draws.seeded()
-        if not self.started:
-            self._start()
-        self.last_sync_seconds = self.sync()
+        self.last_sync_seconds = self._ready()
         ids, mask = self.encode_prompts(prompts)
-        model = self._adapter_name if self.lora and self.lora_sync == "adapter" else self.served_model
+        model = self._model_name()
         bodies = [{"model": model, "prompt": row[m].tolist(), "n": group_size, "temperature": temperature,
                    "top_p": self.top_p, "top_k": self.top_k if self.top_k > 0 else -1,
                    "max_tokens": self.max_completion_tokens, "logprobs": 0, "return_token_ids": True,
                    "seed": (draws.seed + draws.first_prompt + b) % 2**31, "stop_token_ids": self.eos_ids,
                    "skip_special_tokens": True}
                   for b, (row, m) in enumerate(zip(ids, mask))]
-        with ThreadPoolExecutor(max_workers=min(len(bodies), 64)) as pool:  # the server batches them
-            answers = list(pool.map(lambda body: self._request("/v1/completions", body), bodies))
+        answers = self._complete(bodies)
         rows = []
         for answer in answers:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
@@ -231,12 +273,60 @@ class VLLMServerSampler(SyncedSampler):
                 rows.append((tokens, logprobs))
         return self._batch(prompts, group_size, ids, mask, rows)
 
+    @torch.no_grad()
+    def generate_turn(self, contexts: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
+                      places: Sequence[int], temperature: float, seed: int,
+                      stop_texts: Sequence[str]) -> list[Turn]:
+        """One model turn per context from the server, each context sent as its exact token ids (one
+        ``/v1/completions`` request per row; the server's prefix cache serves what an earlier turn
+        computed), after a weight sync if one is due (the first turn of a step; later turns find nothing
+        changed); the :class:`~grpo_engine.sampling.turns.TurnGenerator` protocol, with the requests of
+        :func:`~grpo_engine.sampling.vllm_turns.turn_requests`.
+
+        Example:
+            >>> # turns = sampler.generate_turn([prompt_ids], max_new_tokens=[64], places=[0],
+            >>> #                               temperature=1.0, seed=0, stop_texts=["</tool_call>"])
+        """
+        settings = turn_requests(contexts, max_new_tokens=max_new_tokens, places=places,
+                                 temperature=temperature, seed=seed, stop_texts=stop_texts, top_p=self.top_p,
+                                 top_k=self.top_k, eos_ids=self.eos_ids)
+        if not settings:
+            return []
+        self.last_sync_seconds = self._ready()
+        model = self._model_name()
+        answers = self._complete([{"model": model, "prompt": [int(i) for i in context], **request,
+                                   "return_token_ids": True} for context, request in zip(contexts, settings)])
+        turns = []
+        for answer in answers:
+            (choice,) = answer["choices"]
+            turns.append(as_turn(choice["token_ids"], choice["logprobs"]["token_logprobs"],
+                                 finish_reason=choice.get("finish_reason"),
+                                 stop_reason=choice.get("stop_reason"), eos_ids=self.eos_ids))
+        return turns
+
+    def _ready(self) -> float:
+        """Checks the server (at the first call) and syncs the policy's weights if they changed (a cheap
+        check when they did not); returns the seconds the sync took."""
+        if not self.started:
+            self._start()
+        return self.sync()
+
+    def _model_name(self) -> str:
+        """The name requests sample with: the policy's adapter, else the served base model."""
+        return self._adapter_name if self.lora and self.lora_sync == "adapter" else self.served_model
+
+    def _complete(self, bodies: list[dict[str, Any]]) -> list[Any]:
+        """POSTs every body to ``/v1/completions`` at once (the server batches them); the answers in order."""
+        with ThreadPoolExecutor(max_workers=min(len(bodies), 64)) as pool:
+            return list(pool.map(lambda body: self._request("/v1/completions", body), bodies))
+
     def close(self) -> None:
-        """Unloads the policy's adapter from the server and removes what was saved for it."""
-        if self._adapter_name is not None:
+        """Unloads the policy's adapter from the server (rank 0: the adapter is every rank's) and removes
+        what was saved for it."""
+        if self._adapter_name is not None and self.world.is_main:
             try:
                 self._request("/v1/unload_lora_adapter", {"lora_name": self._adapter_name})
             except (RuntimeError, ConnectionError):
                 pass  # the server is gone or restarted: nothing of ours is loaded
-            self._adapter_name = None
+        self._adapter_name = None
         super().close()

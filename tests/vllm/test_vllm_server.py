@@ -3,65 +3,24 @@ SmolLM2-135M-Instruct in float32: its log-probs equal the trainer's with a run-t
 with a merged one and under full fine-tuning, each before and after a training step (the sync reached
 the server), and a GRPO run through it trains with the engines' mismatch at float32's size.
 
-The tests share one server and run in file order: the adapter tests first (on the server's own base
-weights), then those that reload weights (each sampler's first sync loads its whole policy)."""
+The tests share the session's server (tests/vllm/conftest.py) and run in file order: the adapter tests
+first (on the server's own base weights, or on weights another file's fully fine-tuned policy restored),
+then those that reload weights (each sampler's first sync loads its whole policy)."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import time
-import urllib.request
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from grpo_engine.demo import smollm2_folder  # noqa: E402
 from grpo_engine.logprobs import completion_logprobs  # noqa: E402
 from grpo_engine.models import load_model  # noqa: E402
-from grpo_engine.sampling.vllm_server import VLLMServerSampler, server_command  # noqa: E402
+from grpo_engine.sampling.vllm_server import VLLMServerSampler  # noqa: E402
 from grpo_engine.types import Draws, Prompt  # noqa: E402
 from tests.vllm.test_vllm_sampler import PROMPTS, TOLERANCE, step_and_check  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def folder():
-    return smollm2_folder()
-
-
-@pytest.fixture(scope="module")
-def server(folder, tmp_path_factory):
-    """A vLLM server on a free port of 127.0.0.1, with run-time LoRA loading and weight reloads."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv, env = server_command(folder, port=port, max_model_len=1024, dtype="float32", max_lora_rank=8,
-                               full_weights=True, extra=["--enforce-eager", "--seed", "0"])
-    log = tmp_path_factory.mktemp("server") / "serve.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen(argv, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
-                                   stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5):
-                    break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the vLLM server did not start:\n" + log.read_text()[-3000:]) from None
-                time.sleep(1)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def peft_model(folder):
