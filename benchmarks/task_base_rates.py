@@ -16,6 +16,8 @@ anything: the seconds are only to plan a run.
 
     python benchmarks/task_base_rates.py                       # the 15 default families, 64 items each
     python benchmarks/task_base_rates.py --families gcd lcm --items 16
+    python benchmarks/task_base_rates.py --system-prompt none \\
+        --instruction " Reply with only the final answer."   # the bare question, no tags asked for
 
 Output: ``--out`` (default ``benchmarks/results/task-base-rates.json``), rewritten after each family;
 the last stdout line is one JSON object ``{family: accuracy}``.
@@ -42,7 +44,10 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=64, help="held-out problems per family")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--system-prompt", default="direct",
-                        help="a key of reasoning_gym.utils.SYSTEM_PROMPTS")
+                        help="a key of reasoning_gym.utils.SYSTEM_PROMPTS, or none (the bare question)")
+    parser.add_argument("--instruction", default="",
+                        help="text appended to each question (ChatTemplate(instruction=...)), e.g. "
+                             "' Reply with only the final answer.'")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the idle cores)")
     parser.add_argument("--out", type=Path,
@@ -60,14 +65,16 @@ def main() -> None:
 
     torch.set_num_threads(args.threads or idle_cores())
     model, tokenizer = load_model(smollm2_folder())
-    reward, final, template = ReasoningGymScore(), ReasoningGymScore(extract="final"), ChatTemplate()
+    reward, final = ReasoningGymScore(), ReasoningGymScore(extract="final")
+    template = ChatTemplate(instruction=args.instruction)
+    system_prompt = None if args.system_prompt == "none" else args.system_prompt
     report = {"what": "greedy held-out accuracy of SmolLM2-135M-Instruct, no training",
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "band": BAND, "threads": torch.get_num_threads(), "hardware": hardware("cpu"),
               "versions": versions(), "commit": git_commit(), "families": {}}
     for family in args.families:
         start = time.perf_counter()
-        _, test = reasoning_gym_task(family, 0, args.items, seed=args.seed, system_prompt=args.system_prompt)
+        _, test = reasoning_gym_task(family, 0, args.items, seed=args.seed, system_prompt=system_prompt)
         result = greedy_accuracy(model, tokenizer, test, reward, template=template,
                                  max_new_tokens=args.max_new_tokens, batch_size=args.items)
         final_scores = final(test, list(result.completions)).tolist()

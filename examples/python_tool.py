@@ -4,11 +4,13 @@ but can by running a program (the sandboxed ``python`` tool, grpo_engine.tools.p
 Tool-integrated reasoning in ToRA's format (``CodeBlockParser``): a fenced Python block the model writes
 is run, its turn ends at the closing fence, and what the program printed comes back as the tool's
 message; the model then answers. Reward: ``correct``, the model's final turn states the product.
-Before and after a time-budgeted LoRA run: held-out accuracy and tool-call rate at a near-greedy
-temperature (0.05), on products it never trained on.
+Before and after a time-budgeted LoRA run: held-out accuracy, tool-call rate and turns, greedy and at the
+training temperature (one rollout per question each), on products it never trained on. ``--seed`` seeds
+the run (LoRA's initialisation, the draws); the problems are the same for every seed.
 
     python examples/python_tool.py                      # SmolLM2-135M-Instruct, built offline
     python examples/python_tool.py --model PATH --budget-s 900 --eval-size 64
+    python examples/python_tool.py --budget-s 600 --eval-size 64 --seed 1 --report runs/python_tool/seed1.json
 """
 
 from __future__ import annotations
@@ -17,15 +19,14 @@ import argparse
 import json
 import random
 import re
-
-import torch
+from pathlib import Path
 
 from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
 from grpo_engine.data import ChatTemplate
 from grpo_engine.models import load_model
 from grpo_engine.sampling import HFSampler
 from grpo_engine.tools import CodeBlockParser, ToolSampler, python_tool
-from grpo_engine.types import Prompt
+from grpo_engine.types import Draws, Prompt
 
 INSTRUCTION = "\nWrite a Python program that prints the product, then state the number it printed."
 
@@ -48,10 +49,11 @@ def correct(prompts, completions, target, **columns):
             for c, t in zip(completions, target)]
 
 
-def measure(sampler: ToolSampler, prompts: list[Prompt]) -> dict[str, float]:
-    """Held-out accuracy and tool-call rate, near-greedy (temperature 0.05), one rollout per question."""
-    torch.manual_seed(0)
-    batch = sampler.sample(prompts, group_size=1, temperature=0.05)
+def measure(sampler: ToolSampler, prompts: list[Prompt], temperature: float,
+            seed: int = 0) -> dict[str, float]:
+    """Held-out accuracy, tool-call rate and mean turns, one rollout per question at ``temperature`` (0:
+    greedy), its draws seeded by ``seed``."""
+    batch = sampler.sample(prompts, group_size=1, temperature=temperature, draws=Draws(seed))
     right = correct(None, batch.texts, [p.target for p in prompts])
     calls = [float(bool(e.tool_calls)) for e in batch.episodes]
     return {"accuracy": sum(right) / len(right), "tool_call_rate": sum(calls) / len(calls),
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-completion-tokens", type=int, default=160)
     parser.add_argument("--output-dir", default="runs/python_tool")
     parser.add_argument("--no-progress-bar", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed (the problems stay the same)")
+    parser.add_argument("--report", help="also write the report (and the settings) to this JSON file")
     args = parser.parse_args(argv)
     if args.model is None:
         from grpo_engine.demo import smollm2_folder
@@ -92,17 +96,30 @@ def main(argv: list[str] | None = None) -> dict:
                         max_completion_tokens=args.max_completion_tokens,
                         max_prompt_tokens=768, max_steps=args.max_steps, max_train_seconds=args.budget_s,
                         learning_rate=2e-4, temperature=1.0,
-                        output_dir=args.output_dir, progress_bar=not args.no_progress_bar, seed=0)
+                        output_dir=args.output_dir, progress_bar=not args.no_progress_bar, seed=args.seed)
     memory = MemoryPlan(lora=LoRA(r=16, alpha=32), micro_batch_size=4)
     train = products(4000, seed=0, avoid=frozenset(p.question for p in held_out))
     trainer = GRPOTrainer(model, [correct], train, config, memory, tokenizer=tokenizer, sampler=sampler)
-    before = measure(sampler, held_out)
+
+    def both() -> dict[str, dict[str, float]]:  # greedy, and sampled as in training
+        return {"greedy": measure(sampler, held_out, 0.0),
+                "sampled": measure(sampler, held_out, config.temperature, seed=args.seed)}
+
+    before = both()
     history = trainer.train()
-    after = measure(sampler, held_out)
-    report = {"before": before, "after": after, "steps": len(history),
+    after = both()
+    report = {"before": before, "after": after, "steps": len(history), "seed": args.seed,
+              "temperature": config.temperature, "train_seconds": round(trainer.train_seconds, 1),
               "train_correct_by_quarter": _quarters([h["reward/correct/mean"] for h in history]),
               "train_tool_calls_by_quarter": _quarters([h["tools/calls"] for h in history])}
     print(json.dumps(report, indent=1))
+    if args.report:
+        report["settings"] = {k: v for k, v in vars(args).items() if k != "report"}
+        path = Path(args.report)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(path.name + ".tmp")
+        scratch.write_text(json.dumps(report, indent=1))
+        scratch.replace(path)  # whole or not at all
     return report
 
 

@@ -124,7 +124,8 @@ def test_custom_reward(tiny_folder, tmp_path, capsys):
 def test_python_tool(tiny_folder, tmp_path):
     result = run_example("python_tool", ["--model", str(tiny_folder[0]), "--output-dir", str(tmp_path),
                                          "--eval-size", "2", "--budget-s", "60", *TINY])
-    assert set(result["before"]) == {"accuracy", "tool_call_rate", "turns_mean"} and result["steps"] == 1
+    assert set(result["before"]) == {"greedy", "sampled"} and result["steps"] == 1
+    assert set(result["after"]["sampled"]) == {"accuracy", "tool_call_rate", "turns_mean"}
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert {"tools/calls", "turns/mean", "reward/correct/mean"} <= set(record)
 

@@ -179,3 +179,41 @@ def test_a_tool_rollout_generates_every_turn_on_vllm_with_the_training_passs_log
         ours = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, keep)
     model_tokens = keep & ~env
     assert (ours[model_tokens] - batch.sampler_logprobs[model_tokens]).abs().max() < TOLERANCE
+
+
+def test_a_trainer_trains_on_tool_rollouts_generated_on_vllm(folder, tmp_path):
+    """GRPOTrainer with a ToolSampler over the colocated engine, LoRA synced as an adapter: every turn of
+    both steps is generated on vLLM (each step's rollouts call the tool), the second step samples with
+    the adapter the first trained, and the trainer's log-probs of the model's tokens equal the engine's
+    (mean gap under 1e-4; the environment's tokens are not trained on, so not compared)."""
+    from grpo_engine import GRPOConfig, GRPOTrainer, LoRA, MemoryPlan
+
+    model, tokenizer = load_model(str(folder))
+    engine = VLLMSampler(model, tokenizer, engine_model=folder, max_prompt_tokens=256,
+                         max_completion_tokens=48, engine_kwargs={"enforce_eager": True})
+    turns = []
+    generate_turn = engine.generate_turn
+
+    def counted(contexts, **kwargs):
+        turns.append(len(contexts))
+        return generate_turn(contexts, **kwargs)
+
+    engine.generate_turn = counted
+    sampler = ToolSampler(engine, tools=[note], parser=EverySentenceCalls(), max_turns=2)
+
+    def short(completions, **columns):  # varies within a group: every step trains
+        return [1.0 / (1 + len(c)) for c in completions]
+
+    prompts = [Prompt(q) for q in QUESTIONS * 4]
+    config = GRPOConfig(prompts_per_step=2, group_size=2, max_completion_tokens=48, max_prompt_tokens=256,
+                        max_steps=2, learning_rate=1e-3, output_dir=str(tmp_path), progress_bar=False,
+                        max_turns=2)
+    trainer = GRPOTrainer(model, [short], prompts, config, MemoryPlan(lora=LoRA(r=4)), tokenizer=tokenizer,
+                          sampler=sampler)
+    try:
+        history = trainer.train()
+    finally:
+        engine.close()
+    assert len(history) == 2 and len(turns) >= 3  # a second turn in some step: every turn on the engine
+    assert all(h["tools/calls"] > 0 for h in history)
+    assert engine.lora and all(h["mismatch/logprob_abs"] < TOLERANCE for h in history)
