@@ -15,6 +15,14 @@ curve's prompts (``completions_after``).
     python benchmarks/learning.py --mode defaults --seeds 2 --budget-s 300   # recommended settings
     python benchmarks/learning.py --mode defaults --first-seed 2 --seeds 1   # seed 2 alone, later
     python benchmarks/learning.py --steps 88 --num-test 256   # equal work: 88 steps each, no time budget
+    python benchmarks/learning.py --task rg:gcd --task-config '{"max_value": 100}'   # a reasoning-gym family
+
+``--task rg:FAMILY`` (with ``--task-config``, the family's config fields as JSON) trains and evaluates
+on a reasoning-gym family as the demo's ``--task`` does (``grpo_engine.demo.demo_task``): the bare
+question (no system prompt) plus " Reply with only the final answer.", train and test from
+``reasoning_gym_task(FAMILY, num_train, num_test, seed=task_seed, config=...)`` (disjoint by question),
+scored by the family's own ``score_answer`` on the final answer (``ReasoningGymScore(extract="final")``;
+correct: a score of 1; TRL's reward function scores each completion against its own prompt's entry).
 
 The task (exactly the demo's, ``grpo_engine.demo``): ``arithmetic_task(num_train, num_test,
 seed=task_seed)`` (two-digit ``a + b`` / ``a - b``, train and test drawn without replacement from
@@ -111,6 +119,7 @@ import _harness as harness
 import _trl as trl
 
 INSTRUCTION = " Reply with only the final number."  # the demo's (grpo_engine.demo.DemoSettings)
+RG_INSTRUCTION = " Reply with only the final answer."  # the demo's on a reasoning-gym family
 HONEST_RANGE = (0.10, 0.50)  # greedy accuracy of the base model that keeps the task honest
 ENGINES = ("ours", "trl")
 MODES = {"identical": "identical settings",
@@ -130,6 +139,8 @@ class Spec:
 
     model: str
     mode: str = "identical"  # "identical" or "defaults"
+    task: str = "arithmetic"  # the demo's task, or "rg:FAMILY" (a reasoning-gym family)
+    task_config: dict | None = None  # the family's config fields
     seed: int = 0
     budget_s: float = 480.0
     steps: int | None = None  # equal work: both stop after this many optimizer steps (no time budget)
@@ -254,11 +265,35 @@ def _setup(spec: Spec) -> Setup:
         raise SystemExit(f"--device cuda but torch {torch.__version__} sees no GPU")
     model, tokenizer = load_model(spec.model)
     model = model.to(spec.device).eval()
-    train, test = arithmetic_task(spec.num_train, spec.num_test, seed=spec.task_seed)
-    shared = {p.content for p in train} & {p.content for p in test}
+    if spec.task == "arithmetic":
+        train, test = arithmetic_task(spec.num_train, spec.num_test, seed=spec.task_seed)
+        template, reward = ChatTemplate(instruction=INSTRUCTION), MathAccuracy()
+    else:  # "rg:FAMILY": the demo's reasoning-gym task (grpo_engine.demo.demo_task), the bare question
+        from grpo_engine.tasks import ReasoningGymScore, reasoning_gym_task
+
+        train, test = reasoning_gym_task(spec.task.removeprefix("rg:"), spec.num_train, spec.num_test,
+                                         seed=spec.task_seed, config=spec.task_config, system_prompt=None)
+        template, reward = ChatTemplate(instruction=RG_INSTRUCTION), ReasoningGymScore(extract="final")
+    shared = {p.question for p in train} & {p.question for p in test}
     if shared:
         raise SystemExit(f"train and test share {len(shared)} prompts, e.g. {sorted(shared)[0]!r}")
-    return Setup(model, tokenizer, train, test, ChatTemplate(instruction=INSTRUCTION), MathAccuracy(), spec)
+    return Setup(model, tokenizer, train, test, template, reward, spec)
+
+
+def trl_rows(s: Setup) -> list[dict]:
+    """TRL's conversational dataset: each training prompt's messages and its index in ``s.train``."""
+    return [{"prompt": s.template.messages(p), "index": i} for i, p in enumerate(s.train)]
+
+
+def trl_reward(s: Setup) -> Callable[..., list[float]]:
+    """TRL's reward function: ``s.reward`` of each completion against its own prompt (by the row's
+    ``index``: a reasoning-gym entry is scored by its own data, not only its answer text)."""
+
+    def accuracy(completions, index, **kwargs) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return s.reward([s.train[i] for i in index], texts).tolist()
+
+    return accuracy
 
 
 def _micro(requested: int, completions: int) -> int:
@@ -338,7 +373,6 @@ def run_trl(spec: Spec, workdir: str) -> dict:
     from datasets import Dataset
 
     from grpo_engine.demo import DemoSettings
-    from grpo_engine.types import Prompt
 
     s = _setup(spec)
     before = s.accuracy(s.model, s.test)
@@ -360,11 +394,8 @@ def run_trl(spec: Spec, workdir: str) -> dict:
         own = dict(TRL_ON_CPU) if spec.device == "cpu" else {}  # on a GPU, TRL's own bf16 and checkpointing
         own["learning_rate"] = TRL_DEFAULTS_LR
         train_tokens = DemoSettings().max_completion_tokens  # ours trains at the same limit in this mode
-    data = Dataset.from_list([{"prompt": s.template.messages(p), "target": p.target} for p in s.train])
-
-    def accuracy(completions, target, **kwargs) -> list[float]:
-        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-        return s.reward([Prompt("", target=t) for t in target], texts).tolist()
+    data = Dataset.from_list(trl_rows(s))
+    accuracy = trl_reward(s)
 
     torch.manual_seed(spec.seed)
     trainer = trl.build(s.model, s.tokenizer, data, accuracy, workdir=workdir, group_size=spec.group_size,
@@ -488,6 +519,11 @@ def _budget(spec: Spec) -> str:
 
 
 def _task_name(spec: Spec) -> str:
+    if spec.task != "arithmetic":
+        config = f", config={json.dumps(spec.task_config)}" if spec.task_config else ""
+        return (f"reasoning_gym_task({spec.task.removeprefix('rg:')!r}{config}, num_train={spec.num_train}, "
+                f"num_test={spec.num_test}, seed={spec.task_seed}, system_prompt=None), instruction "
+                f"{RG_INSTRUCTION.strip()!r}, ReasoningGymScore(extract='final')")
     return (f"arithmetic_task(digits=2, ops='+-', num_train={spec.num_train}, num_test={spec.num_test}, "
             f"seed={spec.task_seed}), instruction {INSTRUCTION.strip()!r}")
 
@@ -612,6 +648,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the first seed (default 0): --first-seed 2 "
                         "--seeds 1 runs seed 2 alone, as the third of --seeds 3 would (same engine order)")
     parser.add_argument("--model", help="a transformers folder (default: the demo's SmolLM2-135M-Instruct)")
+    parser.add_argument("--task", default="arithmetic",
+                        help="arithmetic (the demo's, default) or rg:FAMILY, a reasoning-gym family")
+    parser.add_argument("--task-config", type=json.loads, metavar="JSON",
+                        help="with rg:FAMILY: the family's config fields, a JSON object")
     parser.add_argument("--num-train", type=int, default=1000)
     parser.add_argument("--num-test", type=int, default=64)
     parser.add_argument("--task-seed", type=int, default=0,
@@ -646,7 +686,13 @@ def main(argv: list[str] | None = None) -> int:
         from grpo_engine.demo import smollm2_folder
 
         args.model = str(smollm2_folder())
-    spec = Spec(model=str(args.model), mode=args.mode, budget_s=args.budget_s, steps=args.steps,
+    family = args.task.startswith("rg:")
+    if not (family or args.task == "arithmetic") or (
+            args.task_config is not None and not (family and isinstance(args.task_config, dict))):
+        parser.error(f"got --task {args.task!r}, --task-config {args.task_config!r}: --task is arithmetic or "
+                     "rg:FAMILY, and --task-config a JSON object, with rg:FAMILY only")
+    spec = Spec(model=str(args.model), mode=args.mode, task=args.task, task_config=args.task_config,
+                budget_s=args.budget_s, steps=args.steps,
                 eval_every_steps=args.eval_every_steps, task_seed=args.task_seed,
                 num_train=args.num_train, num_test=args.num_test, eval_subset=args.eval_subset,
                 eval_every_s=args.eval_every_s, prompts_per_step=args.prompts_per_step,

@@ -18,6 +18,10 @@ anything: the seconds are only to plan a run.
     python benchmarks/task_base_rates.py --families gcd lcm --items 16
     python benchmarks/task_base_rates.py --system-prompt none \\
         --instruction " Reply with only the final answer."   # the bare question, no tags asked for
+    python benchmarks/task_base_rates.py --families 'gcd:{"max_value": 30}'   # a family's config, as JSON
+
+A family may carry its configuration after a colon, as a JSON object of its config class's fields
+(``reasoning_gym.factory.DATASETS[family][1]``); the report's key is the whole text.
 
 Output: ``--out`` (default ``benchmarks/results/task-base-rates.json``), rewritten after each family;
 the last stdout line is one JSON object ``{family: accuracy}``.
@@ -74,7 +78,9 @@ def main() -> None:
               "versions": versions(), "commit": git_commit(), "families": {}}
     for family in args.families:
         start = time.perf_counter()
-        _, test = reasoning_gym_task(family, 0, args.items, seed=args.seed, system_prompt=system_prompt)
+        name, _, config = family.partition(":")
+        _, test = reasoning_gym_task(name, 0, args.items, seed=args.seed, system_prompt=system_prompt,
+                                     config=json.loads(config) if config else None)
         result = greedy_accuracy(model, tokenizer, test, reward, template=template,
                                  max_new_tokens=args.max_new_tokens, batch_size=args.items)
         final_scores = final(test, list(result.completions)).tolist()

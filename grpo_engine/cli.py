@@ -201,7 +201,7 @@ def _demo(args: argparse.Namespace) -> int:
     from grpo_engine.demo import DemoSettings, run_demo
 
     run_demo(DemoSettings(train_seconds=args.train_seconds, max_steps=args.max_steps, task=args.task,
-                          output_dir=args.output_dir, seed=args.seed))
+                          task_config=args.task_config, output_dir=args.output_dir, seed=args.seed))
     return 0
 
 
@@ -221,6 +221,19 @@ def _demo_task(text: str) -> str:
     except (ImportError, DataError) as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is not {' or '.join(BUILT_IN_TASKS)}, and {exc}") from exc
     return family
+
+
+def _task_config(text: str) -> dict:
+    """``--task-config``: a JSON object."""
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc}); pass an object, e.g. "
+                                         "'{\"max_value\": 100}'") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; pass an object, e.g. "
+                                         "'{\"max_value\": 100}'")
+    return config
 
 
 def _eval_prompts(args: argparse.Namespace) -> list:
@@ -473,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="arithmetic (two-digit + / - problems), comparison (the largest / smallest of "
                       "three numbers), or a reasoning-gym family, rg:FAMILY or its bare name, e.g. "
                       "rg:leg_counting (needs pip install 'grpo-engine[tasks]'; default %(default)s)")
+    demo.add_argument("--task-config", type=_task_config, metavar="JSON",
+                      help="a reasoning-gym family's config fields as a JSON object, e.g. "
+                      "'{\"max_value\": 100}' with rg:gcd (default: the family's own)")
     demo.add_argument("--max-steps", type=int, default=DemoSettings.max_steps,
                       help="steps to train when they fit in the budget (default %(default)s)")
     demo.add_argument("--train-seconds", type=float, default=DemoSettings.train_seconds,

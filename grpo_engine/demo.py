@@ -1,7 +1,8 @@
 """The embedded demo: GRPO + LoRA on SmolLM2-135M-Instruct, on a CPU, in minutes.
 
 It measures greedy held-out accuracy on a seeded synthetic task (two-digit arithmetic, or with
-``task="comparison"`` the largest / smallest of three numbers), trains with GRPO, measures again,
+``task="comparison"`` the largest / smallest of three numbers; or a reasoning-gym family's, its
+question and the family's scorer on the final answer), trains with GRPO, measures again,
 writes ``metrics.jsonl`` and ``reward_curve.png`` to the output folder, and prints one JSON object as
 its last line. The run is repeatable: its step count is fixed by timing the warm-up steps against the
 training budget, and once more from steps 5-20 (``GRPOConfig(time_budget="calibrated",
@@ -30,7 +31,8 @@ import torch
 
 from grpo_engine.checkpoint import save_pretrained_atomic
 
-__all__ = ["DemoSettings", "recipe_components", "recipe_rewards", "demo_task", "demo_reward", "idle_cores",
+__all__ = ["DemoSettings", "recipe_components", "recipe_rewards", "demo_task", "demo_reward", "demo_template",
+           "idle_cores",
            "smollm2_folder", "run_demo", "plan_note"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -49,7 +51,10 @@ class DemoSettings:
     # a plan short of max_steps is rounded down to a multiple of this: a coarse grid, so that two runs on
     # one machine plan the same count (their paces differ by a few percent)
     plan_grid: int = 20
-    task: str = "arithmetic"  # "arithmetic" (a + b, a - b) or "comparison" (largest / smallest of three)
+    # "arithmetic" (a + b, a - b), "comparison" (largest / smallest of three), or a reasoning-gym family
+    task: str = "arithmetic"
+    # a reasoning-gym family's config fields, e.g. {"max_value": 100} for gcd (None: the family's defaults)
+    task_config: dict[str, Any] | None = None
     num_train: int = 1000
     # 256 held-out problems: one run's standard error ~3 points (6 with 64, whose first 64 the base model
     # happens to get 17% of, against 7% of all 256)
@@ -77,6 +82,8 @@ class DemoSettings:
     # it a policy that states its answer and talks on is rewarded too, and runs on (docs/benchmarks.md)
     finished_only: bool = True
     instruction: str = " Reply with only the final number."
+    # a reasoning-gym family's: the bare question asks for the answer alone (SmolLM2 writes no <answer> tags)
+    task_instruction: str = " Reply with only the final answer."
     threads: int | None = None  # torch CPU threads; None: the cores not busy with other work (idle_cores)
     seed: int = 0
     output_dir: str = "runs/demo"
@@ -124,8 +131,11 @@ BUILT_IN_TASKS = ("arithmetic", "comparison")
 
 def demo_task(settings: DemoSettings) -> tuple[list, list]:
     """The (train, test) prompts of ``settings.task``, drawn with ``settings.seed``: a built-in task, or
-    any other name a reasoning-gym family (``reasoning_gym_task``, its ``"direct"`` system prompt: the
-    answer in ``<answer>`` tags, no reasoning), held-out disjoint from training.
+    any other name a reasoning-gym family (``reasoning_gym_task`` under ``task_config``, the bare question
+    without a system prompt), held-out disjoint from training.
+
+    Raises:
+        ValueError: an unknown task, or ``task_config`` given for a built-in task.
 
     Example:
         >>> train, test = demo_task(DemoSettings(task="comparison", num_train=3, num_test=2))
@@ -135,22 +145,25 @@ def demo_task(settings: DemoSettings) -> tuple[list, list]:
     from grpo_engine.data.synthetic import arithmetic_task, comparison_task
 
     tasks = {"arithmetic": arithmetic_task, "comparison": comparison_task}
-    if settings.task not in tasks:
-        from grpo_engine.data.errors import DataError
-        from grpo_engine.tasks.reasoning_gym import check_family, reasoning_gym_task
+    if settings.task in tasks:
+        if settings.task_config is not None:
+            raise ValueError(f"task_config={settings.task_config!r} is for a reasoning-gym family; the "
+                             f"built-in task {settings.task!r} takes none: leave it None")
+        return tasks[settings.task](settings.num_train, settings.num_test, seed=settings.seed)
+    from grpo_engine.data.errors import DataError
+    from grpo_engine.tasks.reasoning_gym import check_family, reasoning_gym_task
 
-        try:
-            check_family(settings.task)
-        except DataError as exc:
-            raise ValueError(f"task={settings.task!r} is not one of {sorted(tasks)}, and {exc}") from None
-        return reasoning_gym_task(settings.task, settings.num_train, settings.num_test, seed=settings.seed,
-                                  system_prompt="direct")
-    return tasks[settings.task](settings.num_train, settings.num_test, seed=settings.seed)
+    try:
+        check_family(settings.task)
+    except DataError as exc:
+        raise ValueError(f"task={settings.task!r} is not one of {sorted(tasks)}, and {exc}") from None
+    return reasoning_gym_task(settings.task, settings.num_train, settings.num_test, seed=settings.seed,
+                              config=settings.task_config, system_prompt=None)
 
 
 def demo_reward(settings: DemoSettings) -> Any:
-    """The task's accuracy: ``MathAccuracy()`` on a built-in task, the family's own scorer
-    (``ReasoningGymScore()``) on a reasoning-gym family.
+    """The task's accuracy: ``MathAccuracy()`` on a built-in task, the family's own scorer on the final
+    answer (``ReasoningGymScore(extract="final")``) on a reasoning-gym family.
 
     Example:
         >>> type(demo_reward(DemoSettings())).__name__
@@ -162,7 +175,21 @@ def demo_reward(settings: DemoSettings) -> Any:
         return MathAccuracy()
     from grpo_engine.tasks.reasoning_gym import ReasoningGymScore
 
-    return ReasoningGymScore()
+    return ReasoningGymScore(extract="final")
+
+
+def demo_template(settings: DemoSettings) -> Any:
+    """The chat template, the question plus ``instruction`` (a built-in task) or ``task_instruction`` (a
+    reasoning-gym family).
+
+    Example:
+        >>> demo_template(DemoSettings()).instruction
+        ' Reply with only the final number.'
+    """
+    from grpo_engine.data.templates import ChatTemplate
+
+    built_in = settings.task in BUILT_IN_TASKS
+    return ChatTemplate(instruction=settings.instruction if built_in else settings.task_instruction)
 
 
 def idle_cores(seconds: float = 0.5) -> int:
@@ -237,7 +264,6 @@ def run_demo(settings: DemoSettings | None = None) -> dict:
 
 def _run(s: DemoSettings) -> dict:
     from grpo_engine.config import GRPOConfig, peak_learning_rate
-    from grpo_engine.data.templates import ChatTemplate
     from grpo_engine.eval import greedy_accuracy
     from grpo_engine.memory.plan import LoRA, MemoryPlan
     from grpo_engine.models import load_model
@@ -249,7 +275,7 @@ def _run(s: DemoSettings) -> dict:
     torch.manual_seed(s.seed)
     model, tokenizer = load_model(smollm2_folder())
     train, test = demo_task(s)
-    template, reward = ChatTemplate(instruction=s.instruction), demo_reward(s)
+    template, reward = demo_template(s), demo_reward(s)
 
     def accuracy(policy: torch.nn.Module) -> float:  # greedy, at eval_max_new_tokens: ended or not
         return greedy_accuracy(policy, tokenizer, test, reward, template=template,
@@ -276,7 +302,8 @@ def _run(s: DemoSettings) -> dict:
     after = accuracy(trainer.model)
     plot_reward_curve(history, out / "reward_curve.png", before=before, after=after)
     (out / "demo_settings.json").write_text(json.dumps(asdict(s), indent=2))
-    summary = {"model": MODEL_NAME, "task": s.task, "steps": trainer.step_count,
+    task_config = {"task_config": s.task_config} if s.task_config else {}
+    summary = {"model": MODEL_NAME, "task": s.task, **task_config, "steps": trainer.step_count,
                "planned_steps": trainer.state.planned_steps, "threads": torch.get_num_threads(),
                "peak_learning_rate": peak_learning_rate(config, trainer.state.planned_steps),
                "before_accuracy": round(before, 4), "after_accuracy": round(after, 4),

@@ -227,3 +227,35 @@ def test_bad_steps_are_refused_with_the_rule(capsys):
         learning.main(["--steps", "0", "--model", "unused"])
     err = capsys.readouterr().err
     assert "--steps 0" in err and "--steps >= 1" in err
+
+
+def test_a_reasoning_gym_task_is_the_demos_and_trl_scores_each_completion_by_its_own_prompt(tiny_folder):
+    pytest.importorskip("reasoning_gym")
+    from grpo_engine.demo import DemoSettings, demo_reward, demo_task, demo_template
+
+    spec = learning.Spec(model=str(tiny_folder), task="rg:gcd", task_config={"max_value": 30}, num_train=6,
+                         num_test=3, task_seed=2)
+    s = learning._setup(spec)
+    demo = DemoSettings(task="gcd", task_config={"max_value": 30}, num_train=6, num_test=3, seed=2)
+    assert (s.train, s.test) == demo_task(demo)  # the demo's prompts, template and scorer
+    assert s.template == demo_template(demo) and s.reward.extract == demo_reward(demo).extract == "final"
+    assert not {p.question for p in s.train} & {p.question for p in s.test}
+    rows = learning.trl_rows(s)
+    assert [r["index"] for r in rows] == list(range(6))
+    assert rows[0]["prompt"] == s.template.messages(s.train[0])
+    reward = learning.trl_reward(s)
+    i, j = next((i, j) for i in range(6) for j in range(6) if s.train[i].target != s.train[j].target)
+    answers = [f"It is {s.train[i].target}.", f"It is {s.train[j].target}."]
+    assert reward(answers, index=[i, j]) == [1.0, 1.0]
+    swapped = reward(answers, index=[j, i])  # another prompt's answer: under 1 (gcd's partial credit)
+    assert all(x < 1.0 for x in swapped)
+    assert swapped == [s.reward([s.train[j]], answers[:1]).item(), s.reward([s.train[i]], answers[1:]).item()]
+    assert "reasoning_gym_task('gcd', config={\"max_value\": 30}" in learning._task_name(spec)
+
+
+def test_a_bad_task_is_refused_with_the_rule(capsys):
+    for argv in (["--task", "gcd"], ["--task-config", '{"max_value": 3}'],
+                 ["--task", "rg:gcd", "--task-config", "[3]"]):
+        with pytest.raises(SystemExit):
+            learning.main([*argv, "--model", "unused"])
+        assert "--task is arithmetic or rg:FAMILY, and --task-config a JSON object" in capsys.readouterr().err

@@ -304,11 +304,32 @@ def test_the_demo_takes_a_reasoning_gym_family(capsys):
     with pytest.raises(SystemExit):
         parse(["demo", "--task", "rg:leg_countin"])
     assert "did you mean leg_counting" in capsys.readouterr().err
-    settings = DemoSettings(task="leg_counting", num_train=4, num_test=2, seed=1)
+    config = parse(["demo", "--task", "gcd", "--task-config", '{"max_value": 30}']).task_config
+    assert config == {"max_value": 30}
+    assert parse(["demo"]).task_config is None
+    for bad in ("{max_value: 30}", "[30]"):
+        with pytest.raises(SystemExit):
+            parse(["demo", "--task", "gcd", "--task-config", bad])
+        assert "pass an object" in capsys.readouterr().err
+    settings = DemoSettings(task="leg_counting", task_config={"min_animals": 2}, num_train=4, num_test=2,
+                            seed=1)
     train, test = demo_task(settings)
-    assert (train, test) == reasoning_gym_task("leg_counting", 4, 2, seed=1, system_prompt="direct")
-    assert isinstance(demo_reward(settings), ReasoningGymScore)
+    # the bare question (no system prompt), under the family's config
+    assert (train, test) == reasoning_gym_task("leg_counting", 4, 2, seed=1, config={"min_animals": 2},
+                                               system_prompt=None)
+    assert all(p.metadata["reasoning_gym"]["config"]["min_animals"] == 2 for p in train + test)
+    reward = demo_reward(settings)
+    assert isinstance(reward, ReasoningGymScore) and reward.extract == "final"
+    # the final answer, no tags: a bare number scores 1, another scores 0
+    assert reward(train[:1] * 2, [f"It is {train[0].target}.", "It is -1."]).tolist() == [1.0, 0.0]
+    from grpo_engine.demo import demo_template
+
+    assert demo_template(settings).instruction == " Reply with only the final answer."
+    assert demo_template(DemoSettings(task="comparison")).instruction == " Reply with only the final number."
     assert type(demo_reward(DemoSettings(task="comparison"))).__name__ == "MathAccuracy"
+    with pytest.raises(ValueError, match=r"task_config=\{'max_value': 3\} is for a reasoning-gym family; "
+                                         r"the built-in task 'arithmetic' takes none"):
+        demo_task(DemoSettings(task_config={"max_value": 3}))
 
 
 def test_without_the_extra_every_entry_point_gives_the_install_line(monkeypatch, capsys):
