@@ -119,7 +119,6 @@ import _harness as harness
 import _trl as trl
 
 INSTRUCTION = " Reply with only the final number."  # the demo's (grpo_engine.demo.DemoSettings)
-RG_INSTRUCTION = " Reply with only the final answer."  # the demo's on a reasoning-gym family
 HONEST_RANGE = (0.10, 0.50)  # greedy accuracy of the base model that keeps the task honest
 ENGINES = ("ours", "trl")
 MODES = {"identical": "identical settings",
@@ -268,12 +267,12 @@ def _setup(spec: Spec) -> Setup:
     if spec.task == "arithmetic":
         train, test = arithmetic_task(spec.num_train, spec.num_test, seed=spec.task_seed)
         template, reward = ChatTemplate(instruction=INSTRUCTION), MathAccuracy()
-    else:  # "rg:FAMILY": the demo's reasoning-gym task (grpo_engine.demo.demo_task), the bare question
-        from grpo_engine.tasks import ReasoningGymScore, reasoning_gym_task
+    else:  # "rg:FAMILY": the demo's reasoning-gym task, template and scorer, the bare question
+        from grpo_engine.demo import DemoSettings, demo_reward, demo_task, demo_template
 
-        train, test = reasoning_gym_task(spec.task.removeprefix("rg:"), spec.num_train, spec.num_test,
-                                         seed=spec.task_seed, config=spec.task_config, system_prompt=None)
-        template, reward = ChatTemplate(instruction=RG_INSTRUCTION), ReasoningGymScore(extract="final")
+        demo = DemoSettings(task=spec.task.removeprefix("rg:"), task_config=spec.task_config,
+                            num_train=spec.num_train, num_test=spec.num_test, seed=spec.task_seed)
+        (train, test), template, reward = demo_task(demo), demo_template(demo), demo_reward(demo)
     shared = {p.question for p in train} & {p.question for p in test}
     if shared:
         raise SystemExit(f"train and test share {len(shared)} prompts, e.g. {sorted(shared)[0]!r}")
@@ -520,10 +519,12 @@ def _budget(spec: Spec) -> str:
 
 def _task_name(spec: Spec) -> str:
     if spec.task != "arithmetic":
+        from grpo_engine.demo import DemoSettings
+
         config = f", config={json.dumps(spec.task_config)}" if spec.task_config else ""
         return (f"reasoning_gym_task({spec.task.removeprefix('rg:')!r}{config}, num_train={spec.num_train}, "
                 f"num_test={spec.num_test}, seed={spec.task_seed}, system_prompt=None), instruction "
-                f"{RG_INSTRUCTION.strip()!r}, ReasoningGymScore(extract='final')")
+                f"{DemoSettings.task_instruction.strip()!r}, ReasoningGymScore(extract='final')")
     return (f"arithmetic_task(digits=2, ops='+-', num_train={spec.num_train}, num_test={spec.num_test}, "
             f"seed={spec.task_seed}), instruction {INSTRUCTION.strip()!r}")
 
